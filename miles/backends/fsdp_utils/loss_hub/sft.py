@@ -1,0 +1,101 @@
+"""Flow-matching SFT hooks: the velocity regression every flow-matching DiT (SD3, digits) is trained with.
+
+Formula (SD3 paper §2, diffusers ``train_dreambooth_sd3``, torchtitan's Flux trainer): draw σ from the trainer's
+shifted grid, ``x_σ = (1 − σ)·x0 + σ·ε``, the model input ``timestep = σ · 1000`` and the target velocity
+``v = ε − x0``; the loss is the mean squared error between the predicted and target velocity.
+
+Both hooks also serve the DMD2 critic group, whose ``prepare_critic_batch`` builds SFT-shaped pairs from the
+student's ``x̂0_i`` and calls :func:`prepare_sft_batch`.
+"""
+
+import torch
+
+from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.utils.misc import make_generator
+from miles.utils.types import TrainPair, collate_cond
+
+__all__ = ["NUM_TRAIN_TIMESTEPS", "trainer_flow_grid", "prepare_sft_batch", "sft_loss_formula"]
+
+# SD3 and digits both scale σ to the model's timestep input by 1000; the trainer's grid has one point per timestep.
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def trainer_flow_grid(args) -> FlowNoiseSchedule:
+    """The trainer's σ grid: ``NUM_TRAIN_TIMESTEPS`` points at ``--fsdp-flow-shift`` (sigmas float64, descending)."""
+    return FlowNoiseSchedule(NUM_TRAIN_TIMESTEPS, args.fsdp_flow_shift, num_train_timesteps=NUM_TRAIN_TIMESTEPS)
+
+
+def prepare_sft_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+    """Noise each pair's clean latent at a random σ of the trainer grid and set the velocity target.
+
+    One generator per micro-batch, ``make_generator("sample", args.seed, ctx.rollout_id, ctx.microbatch_id,
+    ctx.dp_rank)``, draws first the B grid indices (uniform in ``[0, N)``, int64) and then the noise ``ε`` (float32
+    ``(B, C, H, W)``), always in that order and on the CPU, so a resumed run or a 2-rank run repeats them exactly.
+
+    Args:
+        ctx: the trainer context; reads ``args.seed``, ``args.fsdp_flow_shift``, ``rollout_id``, ``microbatch_id``,
+            ``dp_rank`` and ``device``.
+        train_pairs: the micro-batch; each pair's ``x0`` is float32 ``(C, H, W)`` and ``pos_cond`` its prompt.
+
+    Returns:
+        PreparedBatch with ``latents`` = ``x_σ`` float32 ``(B, C, H, W)``, ``timestep`` float32 ``(B,)`` in
+        [0, 1000], ``cond`` the collated positive cond, ``target`` = ``ε − x0`` float32 ``(B, C, H, W)`` and
+        ``extras`` = ``{"sigma": float64 (B,), "noise": (B, C, H, W), "x0": (B, C, H, W), "grid_index": int64 (B,)}``.
+
+    Raises:
+        ValueError: for an empty micro-batch or pairs whose conds do not share keys.
+    """
+    if not train_pairs:
+        raise ValueError("prepare_sft_batch got an empty micro-batch; check --micro-batch-size and the DP split")
+    args = ctx.args
+    grid = trainer_flow_grid(args)
+    x0 = torch.stack([pair.x0 for pair in train_pairs]).float()
+    generator = make_generator("sample", args.seed, ctx.rollout_id, ctx.microbatch_id, ctx.dp_rank)
+    grid_index = torch.randint(0, grid.num_steps, (len(train_pairs),), generator=generator)
+    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+    sigma = grid.sigmas[grid_index]
+    timestep = grid.timesteps[grid_index].float()
+    sigma_b = sigma.float().view(-1, *([1] * (x0.ndim - 1)))
+    latents = (1 - sigma_b) * x0 + sigma_b * noise
+    target = noise - x0
+    device = ctx.device
+    return PreparedBatch(
+        latents=latents.to(device),
+        timestep=timestep.to(device),
+        cond={key: value.to(device) for key, value in collate_cond([pair.pos_cond for pair in train_pairs]).items()},
+        target=target.to(device),
+        extras={
+            "sigma": sigma.to(device),
+            "noise": noise.to(device),
+            "x0": x0.to(device),
+            "grid_index": grid_index.to(device),
+        },
+    )
+
+
+def sft_loss_formula(
+    ctx: TrainContext,
+    train_pairs: list[TrainPair],
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    metrics: dict[str, list[float]],
+) -> torch.Tensor:
+    """Flow-matching MSE ``mean((v̂ − v)²)`` per pair, summed over the micro-batch's pairs.
+
+    The trainer divides the sum by the optimizer window's pair count, so a window's loss is the mean over its pairs
+    however it is split into micro-batches.
+
+    Args:
+        new_pred: the model's velocity ``v̂``, float32 ``(B, C, H, W)``.
+        prepared: the batch of :func:`prepare_sft_batch`; ``prepared.target`` is ``v = ε − x0``.
+        metrics: appends one ``"sft_loss"`` value per pair (python float).
+
+    Returns:
+        A float32 scalar: the sum over pairs of each pair's mean squared velocity error.
+    """
+    target = prepared.target.to(device=new_pred.device, dtype=torch.float32)
+    per_pair = (new_pred.float() - target).pow(2).flatten(1).mean(dim=1)
+    metrics.setdefault("sft_loss", []).extend(per_pair.detach().cpu().tolist())
+    return per_pair.sum()

@@ -1,0 +1,509 @@
+"""Command-line arguments of ``train_diffusion.py``.
+
+``parse_args`` builds the parser, fills defaults that depend on other flags (``set_default_diffusion_args``), then
+runs the validators. Validators only reject: each rejection is one line naming the flags and the fix, exit code 2.
+``docs/cli-reference.md`` is generated from ``build_parser()`` (``python -m miles.utils.cli_reference``).
+"""
+
+import argparse
+import sys
+
+__all__ = [
+    "ArgumentValidationError",
+    "build_parser",
+    "parse_args",
+    "set_default_diffusion_args",
+    "validate_args",
+    "validate_dmd2_args",
+    "dp_size",
+]
+
+LOSS_TYPES = ("sft_loss", "dmd2", "custom_loss")
+
+SFT_CONVERTER = "miles.ray.data_conversion_hub.sft.expand_samples_to_train_pairs"
+SFT_PREPARE = "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
+SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
+DMD2_CONVERTER = "miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
+DMD2_GENERATOR_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch"
+DMD2_GENERATOR_LOSS = "miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula"
+DMD2_CRITIC_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch"
+DMD2_CRITIC_SCORING = "miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0"
+STOP_AT_RANDOM_STEP = "miles.rollout.step_strategy_hub.stop_at_random_step"
+
+
+class ArgumentValidationError(ValueError):
+    """A flag combination that cannot run. The message names the flags and the fix, on one line."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from exc
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cluster and placement")
+    group.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the trainer groups.")
+    group.add_argument(
+        "--actor-num-gpus-per-node",
+        type=int,
+        default=1,
+        help="Trainer ranks per node: GPUs with CUDA, CPU ranks without. DP size = nodes x this.",
+    )
+    group.add_argument(
+        "--rollout-num-gpus",
+        type=int,
+        default=0,
+        help="Devices of the rollout engine's own bundle; 0 colocates the engine with the trainers.",
+    )
+    group.add_argument(
+        "--ray-address", type=str, default=None, help="Ray cluster to join; default starts a local one."
+    )
+    group.add_argument("--dry-run", action="store_true", help="Validate, print groups, placement and schedule, exit.")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument(
+        "--hf-checkpoint", type=str, default=None, help="Student pipeline directory (diffusers layout)."
+    )
+    group.add_argument(
+        "--teacher-load",
+        type=str,
+        default=None,
+        help="Frozen teacher pipeline directory; needs a consumer (dmd2, or a custom prepare/loss/train-output hook).",
+    )
+    group.add_argument(
+        "--critic-load",
+        type=str,
+        default=None,
+        help="DMD2 critic (fake score) init pipeline directory; defaults to --teacher-load. dmd2 only.",
+    )
+    group.add_argument(
+        "--diffusion-model-family",
+        type=str,
+        default=None,
+        choices=("sd3", "digits"),
+        help="Model family; default reads model_index.json of --hf-checkpoint.",
+    )
+    group.add_argument(
+        "--train-dtype",
+        type=str,
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="Parameter and compute dtype of the trainers and the engine.",
+    )
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("FSDP training")
+    group.add_argument("--loss-type", type=str, default="sft_loss", choices=LOSS_TYPES, help="Training algorithm.")
+    group.add_argument("--num-rollout", type=int, default=None, help="Rollouts to run (one actor update each).")
+    group.add_argument("--num-steps-per-rollout", type=int, default=1, help="Optimizer steps per rollout.")
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Train pairs per optimizer step over all DP ranks; default: rollout pairs / --num-steps-per-rollout.",
+    )
+    group.add_argument("--micro-batch-size", type=int, default=1, help="Train pairs per forward on one rank.")
+    group.add_argument(
+        "--fsdp-flow-shift",
+        type=float,
+        default=3.0,
+        help="Flow shift of the trainer's 1000-point sigma grid (SFT noise levels, DMD2 scoring).",
+    )
+    group.add_argument("--seed", type=int, default=1234, help="Seed of the trainers' draws (noise, sigma).")
+    group.add_argument(
+        "--train-only",
+        action="store_true",
+        help="Train on --prompt-data images without the rollout engine (sft_loss, e.g. the digits teacher).",
+    )
+    group.add_argument(
+        "--train-output-before-step",
+        type=int,
+        default=None,
+        help="Run the train-output hook before this optimizer step instead of after the last (set by dmd2).",
+    )
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("optimizer")
+    group.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the actor (student).")
+    group.add_argument(
+        "--critic-lr", type=float, default=None, help="Learning rate of the DMD2 critic; defaults to --lr. dmd2 only."
+    )
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--weight-decay", type=float, default=0.0)
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Max global grad norm; 0 disables clipping.")
+    group.add_argument("--lr-decay-style", type=str, default="constant", choices=("constant", "cosine"))
+    group.add_argument("--lr-warmup-steps", type=int, default=0, help="Linear warmup in optimizer steps.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Final learning rate of the cosine schedule.")
+
+
+def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rollout engine")
+    group.add_argument("--rollout-batch-size", type=int, default=None, help="Prompts per rollout.")
+    group.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples generated per prompt.")
+    group.add_argument("--diffusion-num-steps", type=int, default=4, help="Steps of the student's sampler.")
+    group.add_argument(
+        "--diffusion-flow-shift", type=float, default=3.0, help="Flow shift of the student's sampling schedule."
+    )
+    group.add_argument(
+        "--diffusion-timesteps",
+        type=_float_list,
+        default=None,
+        help="Explicit descending student timesteps in (0, 1000], e.g. '1000,750,500,250'; overrides steps/shift.",
+    )
+    group.add_argument(
+        "--diffusion-guidance-scale", type=float, default=1.0, help="CFG scale of the student rollout; 1 = no CFG."
+    )
+    group.add_argument(
+        "--diffusion-step-rule",
+        type=str,
+        default="dmd2",
+        choices=("dmd2", "euler"),
+        help="dmd2: predict x0 and re-noise with fresh noise; euler: the flow ODE step.",
+    )
+    group.add_argument(
+        "--diffusion-step-strategy-path",
+        type=str,
+        default=None,
+        help="fn(args, rollout_id, sample_indices, num_steps) -> stop step per sample (None = full trajectory).",
+    )
+    group.add_argument("--negative-prompt", type=str, default="", help="Negative prompt for CFG.")
+    group.add_argument("--rollout-seed", type=int, default=42, help="Seed of the engine's noise and data shuffle.")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--prompt-data", type=str, default=None, help="JSONL file of prompts (and images for SFT).")
+    group.add_argument("--input-key", type=str, default="prompt", help="JSONL key of the prompt.")
+    group.add_argument("--image-key", type=str, default="image", help="JSONL key of the image for --train-only.")
+    group.add_argument(
+        "--rollout-shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reshuffle the prompts every epoch (seeded by --rollout-seed).",
+    )
+
+
+def _add_dmd2_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("DMD2")
+    group.add_argument(
+        "--dmd2-critic-steps-per-rollout",
+        type=int,
+        default=5,
+        help="K critic (fake score) updates per student update, over the same DP shard.",
+    )
+    group.add_argument(
+        "--dmd2-teacher-guidance-scale",
+        type=float,
+        default=1.0,
+        help="CFG scale of the teacher's score; the critic scores unguided.",
+    )
+    group.add_argument(
+        "--dmd2-critic-scoring",
+        type=str,
+        default="fused",
+        choices=("fused", "original"),
+        help="fused: score after the K critic steps; original: score before the last critic step (reference).",
+    )
+    group.add_argument(
+        "--dmd2-min-timestep-ratio", type=float, default=0.02, help="Lowest scoring timestep / 1000 (reference 2%%)."
+    )
+    group.add_argument(
+        "--dmd2-max-timestep-ratio", type=float, default=0.98, help="Highest scoring timestep / 1000 (reference 98%%)."
+    )
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoint")
+    group.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from (its latest).")
+    group.add_argument("--save", type=str, default=None, help="Checkpoint directory; the critic uses <save>_critic.")
+    group.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and at the end).")
+    group.add_argument(
+        "--save-hf", type=str, default=None, help="Export the student as a diffusers pipeline directory at the end."
+    )
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument(
+        "--output-dir", type=str, default="outputs/run", help="Run directory: metrics.jsonl, eval images, summary."
+    )
+    group.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
+    group.add_argument("--wandb-project", type=str, default="miles")
+    group.add_argument("--wandb-run-name", type=str, default=None)
+    group.add_argument(
+        "--wandb-mode", type=str, default="offline", choices=("offline", "online"), help="online needs a login."
+    )
+    group.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts (and at the end).")
+    group.add_argument(
+        "--eval-prompt-data", type=str, default=None, help="JSONL of eval prompts; default: --prompt-data."
+    )
+    group.add_argument("--eval-n-samples-per-prompt", type=int, default=1, help="Eval images per eval prompt.")
+    group.add_argument(
+        "--eval-function-path",
+        type=str,
+        default=None,
+        help="fn(args, images, records, rollout_id) -> dict of eval metrics (e.g. miles.eval.digits hook).",
+    )
+    group.add_argument("--log-level", type=str, default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def _add_hook_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("hooks (dotted paths)")
+    group.add_argument(
+        "--custom-expand-samples-to-train-pairs-path",
+        type=str,
+        default=None,
+        help="fn(args, samples) -> train pairs; runs in the RolloutManager before the DP split.",
+    )
+    group.add_argument(
+        "--custom-train-input-function-path",
+        type=str,
+        default=None,
+        help="fn(ctx, train_pairs) -> train_pairs; per group, before micro-batching.",
+    )
+    group.add_argument(
+        "--custom-prepare-train-batch-path",
+        type=str,
+        default=None,
+        help="fn(ctx, train_pairs) -> PreparedBatch; per micro-batch.",
+    )
+    group.add_argument(
+        "--custom-loss-function-path",
+        type=str,
+        default=None,
+        help="fn(ctx, train_pairs, prepared, *, new_pred, metrics) -> summed loss; per micro-batch.",
+    )
+    group.add_argument(
+        "--custom-train-output-function-path",
+        type=str,
+        default=None,
+        help="fn(ctx, train_pairs) -> Any, no grad, after a group's steps; later groups read it as external_data.",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, grouped as in ``docs/cli-reference.md``."""
+    parser = _OneLineParser(
+        prog="train_diffusion.py",
+        description="Distill a flow-matching text-to-image teacher into a few-step student (DMD2), or train with SFT.",
+    )
+    for add in (
+        _add_cluster_args,
+        _add_model_args,
+        _add_training_args,
+        _add_optimizer_args,
+        _add_rollout_args,
+        _add_data_args,
+        _add_dmd2_args,
+        _add_checkpoint_args,
+        _add_logging_args,
+        _add_hook_args,
+    ):
+        add(parser)
+    return parser
+
+
+def dp_size(args: argparse.Namespace) -> int:
+    """Data-parallel size of every trainer group: ``actor_num_nodes × actor_num_gpus_per_node``."""
+    return args.actor_num_nodes * args.actor_num_gpus_per_node
+
+
+def rollout_pairs(args: argparse.Namespace) -> int:
+    """Train pairs one rollout produces: ``rollout_batch_size × n_samples_per_prompt``."""
+    return args.rollout_batch_size * args.n_samples_per_prompt
+
+
+def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on other flags, in place. Never overwrites a value the user set.
+
+    - ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``.
+    - ``--loss-type sft_loss`` fills the SFT converter, prepare and loss hooks.
+    - ``--loss-type dmd2`` fills the DMD2 converter and the actor's generator prepare and loss hooks, the
+      ``stop_at_random_step`` step strategy, ``--critic-load`` ← ``--teacher-load`` and ``--critic-lr`` ← ``--lr``.
+      The critic's own hooks are its ``TrainerConfig`` overrides (``miles.utils.trainer_config``).
+    """
+    if args.global_batch_size is None and args.rollout_batch_size and args.num_steps_per_rollout:
+        if rollout_pairs(args) % args.num_steps_per_rollout == 0:
+            args.global_batch_size = rollout_pairs(args) // args.num_steps_per_rollout
+    if args.loss_type == "sft_loss":
+        defaults = {
+            "custom_expand_samples_to_train_pairs_path": SFT_CONVERTER,
+            "custom_prepare_train_batch_path": SFT_PREPARE,
+            "custom_loss_function_path": SFT_LOSS,
+        }
+    elif args.loss_type == "dmd2":
+        defaults = {
+            "custom_expand_samples_to_train_pairs_path": DMD2_CONVERTER,
+            "custom_prepare_train_batch_path": DMD2_GENERATOR_PREPARE,
+            "custom_loss_function_path": DMD2_GENERATOR_LOSS,
+            "diffusion_step_strategy_path": STOP_AT_RANDOM_STEP,
+            "critic_load": args.teacher_load,
+            "critic_lr": args.lr,
+        }
+    else:
+        defaults = {}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def _reject(message: str) -> None:
+    raise ArgumentValidationError(message)
+
+
+def validate_batch_args(args: argparse.Namespace) -> None:
+    """Reject batch sizes that do not split exactly: nothing is ever dropped silently."""
+    for flag, value in (
+        ("--num-rollout", args.num_rollout),
+        ("--rollout-batch-size", args.rollout_batch_size),
+    ):
+        if value is None or value < 1:
+            _reject(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (
+        ("--n-samples-per-prompt", args.n_samples_per_prompt),
+        ("--num-steps-per-rollout", args.num_steps_per_rollout),
+        ("--micro-batch-size", args.micro_batch_size),
+        ("--actor-num-nodes", args.actor_num_nodes),
+        ("--actor-num-gpus-per-node", args.actor_num_gpus_per_node),
+        ("--diffusion-num-steps", args.diffusion_num_steps),
+    ):
+        if value < 1:
+            _reject(f"{flag} must be >= 1, got {value}")
+    total = rollout_pairs(args)
+    if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
+        _reject(
+            f"--rollout-batch-size x --n-samples-per-prompt ({args.rollout_batch_size} x {args.n_samples_per_prompt}"
+            f" = {total}) must equal --global-batch-size x --num-steps-per-rollout ({args.global_batch_size} x "
+            f"{args.num_steps_per_rollout}); set --global-batch-size to {total / args.num_steps_per_rollout:g}"
+            " or change --num-steps-per-rollout"
+        )
+    per_step = dp_size(args) * args.micro_batch_size
+    if args.global_batch_size % per_step != 0:
+        _reject(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of DP size x --micro-batch-size "
+            f"({dp_size(args)} x {args.micro_batch_size} = {per_step}) so every rank runs the same micro-batches"
+        )
+
+
+def validate_teacher_args(args: argparse.Namespace) -> None:
+    """``--teacher-load`` needs something that reads ``ctx.teacher_models``."""
+    if args.teacher_load is None or args.loss_type == "dmd2":
+        return
+    user_hooks = (
+        args.custom_prepare_train_batch_path not in (None, SFT_PREPARE),
+        args.custom_loss_function_path not in (None, SFT_LOSS),
+        args.custom_train_output_function_path is not None,
+    )
+    if not any(user_hooks):
+        _reject(
+            "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
+            "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
+        )
+
+
+def validate_dmd2_args(args: argparse.Namespace) -> None:
+    """Reject what ``--loss-type dmd2`` cannot run (seed ``[DMD2 4/7]``); the critic-only flags need dmd2.
+
+    LoRA, teacher adapters and a reference model are not implemented by this project, so their flags do not exist.
+    """
+    if args.loss_type != "dmd2":
+        for flag, value in (("--critic-load", args.critic_load), ("--critic-lr", args.critic_lr)):
+            if value is not None:
+                _reject(f"{flag} is only read by --loss-type dmd2 (got --loss-type {args.loss_type}); remove it")
+        return
+    if not args.teacher_load:
+        _reject("--loss-type dmd2 needs --teacher-load (the frozen teacher pipeline directory)")
+    if args.dmd2_teacher_guidance_scale < 1:
+        _reject(f"--dmd2-teacher-guidance-scale must be >= 1 (1 = no CFG), got {args.dmd2_teacher_guidance_scale}")
+    if args.fsdp_flow_shift is None or args.fsdp_flow_shift <= 0:
+        _reject(f"--loss-type dmd2 needs a visual --fsdp-flow-shift > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
+    if args.diffusion_guidance_scale != 1:
+        _reject(
+            f"--loss-type dmd2 needs unguided student rollouts: set --diffusion-guidance-scale 1 "
+            f"(got {args.diffusion_guidance_scale}); the teacher's CFG is --dmd2-teacher-guidance-scale"
+        )
+    if args.num_steps_per_rollout != 1:
+        _reject(
+            f"--loss-type dmd2 takes one actor step per rollout: set --num-steps-per-rollout 1 "
+            f"(got {args.num_steps_per_rollout})"
+        )
+    if args.train_only:
+        _reject("--train-only has no rollout engine, which --loss-type dmd2 needs: remove --train-only")
+    k = args.dmd2_critic_steps_per_rollout
+    if k < 1:
+        _reject(f"--dmd2-critic-steps-per-rollout must be >= 1, got {k}")
+    shard = rollout_pairs(args) // dp_size(args)
+    if shard % k != 0 or (shard // k) % args.micro_batch_size != 0:
+        _reject(
+            f"--dmd2-critic-steps-per-rollout {k} must split each DP shard of {shard} pairs into equal steps of "
+            f"whole micro-batches (--micro-batch-size {args.micro_batch_size}); pick K dividing {shard}"
+        )
+    ratios = (args.dmd2_min_timestep_ratio, args.dmd2_max_timestep_ratio)
+    if not 0 <= ratios[0] < ratios[1] <= 1:
+        _reject(f"need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got {ratios}")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Run every validator; raise ``ArgumentValidationError`` at the first rejection."""
+    if not args.hf_checkpoint:
+        _reject("--hf-checkpoint is required (the student pipeline directory)")
+    if not args.prompt_data:
+        _reject("--prompt-data is required (a JSONL file of prompts, with images for --train-only)")
+    if args.loss_type == "custom_loss" and not (
+        args.custom_prepare_train_batch_path and args.custom_loss_function_path
+    ):
+        _reject(
+            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path "
+            "(and usually --custom-expand-samples-to-train-pairs-path)"
+        )
+    if args.custom_expand_samples_to_train_pairs_path is None:
+        _reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
+    validate_batch_args(args)
+    validate_teacher_args(args)
+    validate_dmd2_args(args)
+    if args.train_output_before_step is not None and not (
+        0 <= args.train_output_before_step < args.num_steps_per_rollout
+    ):
+        _reject(
+            f"--train-output-before-step must be in [0, --num-steps-per-rollout {args.num_steps_per_rollout}), "
+            f"got {args.train_output_before_step}"
+        )
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        _reject("--save-interval needs --save and must be >= 1")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        _reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``), fill defaults, validate.
+
+    A rejected combination prints ``train_diffusion.py: error: <message>`` on one line and exits with code 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    set_default_diffusion_args(args)
+    try:
+        validate_args(args)
+    except ArgumentValidationError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return args
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience for `python -m miles.utils.arguments --help`
+    print(parse_args(sys.argv[1:]))

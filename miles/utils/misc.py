@@ -1,0 +1,57 @@
+"""Small helpers shared by every module: seeded generators and hook loading."""
+
+import hashlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["stable_hash", "make_generator", "load_function"]
+
+
+def stable_hash(*parts: Any) -> int:
+    """Hash ``parts`` to a non-negative 63-bit integer that is the same in every process and Python run.
+
+    Python's built-in ``hash`` is salted per process for strings, so it cannot seed the random draws that two Ray
+    workers (or a resumed run) must repeat. This hashes the ``repr`` of each part with SHA-256 instead.
+
+    Args:
+        *parts: values that identify one random draw, e.g. ``("sample", seed, rollout_id, microbatch_id, dp_rank)``.
+            Use ints, floats, strings, bools, None or tuples of them: their ``repr`` is stable.
+
+    Returns:
+        `int` in ``[0, 2**63)``, usable as ``torch.Generator.manual_seed``.
+    """
+    digest = hashlib.sha256("\x1f".join(repr(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def make_generator(*parts: Any, device: str | torch.device = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``stable_hash(*parts)``."""
+    return torch.Generator(device=device).manual_seed(stable_hash(*parts))
+
+
+def load_function(path: str) -> Callable:
+    """Import ``module.sub.attr`` and return the callable it names.
+
+    Args:
+        path: dotted path such as ``"miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"``.
+
+    Raises:
+        ValueError: if the path has no dot, the module cannot be imported, the attribute does not exist or is not
+            callable. The message names the path and which of the three failed.
+    """
+    if not isinstance(path, str) or "." not in path:
+        raise ValueError(f"hook path {path!r} must be a dotted path 'package.module.function'")
+    module_name, attr_name = path.rsplit(".", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"hook path {path!r}: cannot import module {module_name!r} ({exc})") from exc
+    if not hasattr(module, attr_name):
+        raise ValueError(f"hook path {path!r}: module {module_name!r} has no attribute {attr_name!r}")
+    fn = getattr(module, attr_name)
+    if not callable(fn):
+        raise ValueError(f"hook path {path!r}: {attr_name!r} is a {type(fn).__name__}, not a callable")
+    return fn

@@ -1,0 +1,129 @@
+"""Data passed between the rollout engine, the converters and the trainers.
+
+Tensors of one sample carry no batch dimension; latents are ``(C, H, W)`` float32 (``(1, 8, 8)`` pixels in
+[-1, 1] for the digits pipeline, VAE latents for SD3). Conditioning dicts hold the keyword arguments of the
+denoiser's forward, e.g. ``{"encoder_hidden_states": (L, D), "pooled_projections": (P,)}``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Box", "DenoisingEnv", "DiTTrajectory", "Sample", "TrainPair", "collate_cond"]
+
+
+@dataclass
+class Box:
+    """Wraps a Ray ``ObjectRef`` so that ``ray.get`` on a list of boxes returns the boxes, not the payloads.
+
+    The sync driver only waits on the trainers; the payload (a rollout shard, a group's train output) stays in the
+    object store until the rank that needs it calls ``ray.get(box.inner)``.
+    """
+
+    inner: Any
+
+
+@dataclass
+class DenoisingEnv:
+    """One sample's conditioning for the denoiser.
+
+    Attributes:
+        pos_cond: the prompt's cond kwargs, tensors without a batch dim.
+        neg_cond: the negative prompt's cond kwargs, or ``{}`` when no consumer needs it. The engine fills it
+            whenever the student rollout or the DMD2 teacher runs CFG (guidance > 1).
+        guidance_scale: CFG scale of the student rollout, 1 = no CFG.
+    """
+
+    pos_cond: dict[str, torch.Tensor]
+    neg_cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    guidance_scale: float = 1.0
+
+
+@dataclass
+class DiTTrajectory:
+    """What the engine returns of one sample's denoising run.
+
+    Attributes:
+        sigmas: float64 ``(S + 1,)``, the rollout's σ schedule in [0, 1], descending, with the terminal 0.
+        timesteps: float64 ``(S,)``, ``σ · 1000`` for the S sampled steps.
+        step_indices: the steps returned, ascending; ``[0, ..., S - 1]`` for a full trajectory, ``[i]`` for a
+            rollout stopped at step i.
+        latents: float32 ``(R, C, H, W)``, the denoiser's input ``x_i`` at each returned step (R = len(step_indices)).
+        x0_preds: float32 ``(R, C, H, W)``, the engine's ``x̂0_i = x_i − σ_i·v_i`` at each returned step.
+        final: float32 ``(C, H, W)``, the finished sample, or None when the rollout stopped early.
+    """
+
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    step_indices: list[int]
+    latents: torch.Tensor
+    x0_preds: torch.Tensor
+    final: torch.Tensor | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+
+@dataclass
+class Sample:
+    """One generated (or, with ``--train-only``, one data) sample of a rollout.
+
+    Attributes:
+        index: the sample's index within the rollout, ``prompt_index · n_samples_per_prompt + j``.
+        prompt: the text prompt.
+        metadata: the data source's other fields (the digits data carries ``{"label": 7}``).
+        env: conditioning used by the rollout.
+        trajectory: the engine's output, None for data samples.
+        x0: float32 ``(C, H, W)`` clean latent of a data sample (SFT), None for generated samples.
+        reward: unused by SFT and DMD2; kept for converters that weight samples.
+    """
+
+    index: int
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    env: DenoisingEnv | None = None
+    trajectory: DiTTrajectory | None = None
+    x0: torch.Tensor | None = None
+    reward: float | None = None
+
+
+@dataclass
+class TrainPair:
+    """One training example as the trainers' hooks see it.
+
+    Attributes:
+        sample_index: the source sample's index within the rollout; keys the critic's scores for the actor.
+        x0: float32 ``(C, H, W)``, the clean target: a data latent (SFT) or the rollout's ``x̂0_i`` (DMD2).
+        pos_cond: the prompt's cond kwargs.
+        neg_cond: the negative prompt's cond kwargs, ``{}`` if the rollout did not encode it.
+        latent: DMD2 only: ``x_i``, float32 ``(C, H, W)``, the student's input at the stopped step.
+        sigma: DMD2 only: ``σ_i`` in [0, 1].
+        timestep: DMD2 only: ``t_i = σ_i · 1000``.
+        step_index: DMD2 only: the stopped step ``i``.
+    """
+
+    sample_index: int
+    x0: torch.Tensor
+    pos_cond: dict[str, torch.Tensor]
+    neg_cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    latent: torch.Tensor | None = None
+    sigma: float | None = None
+    timestep: float | None = None
+    step_index: int | None = None
+
+
+def collate_cond(conds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-sample cond dicts into batched kwargs: each ``(...)`` tensor becomes ``(B, ...)``.
+
+    Raises:
+        ValueError: if the list is empty or the dicts do not share their keys (e.g. a missing negative cond).
+    """
+    if not conds:
+        raise ValueError("cannot collate an empty list of cond dicts")
+    keys = set(conds[0])
+    for cond in conds[1:]:
+        if set(cond) != keys:
+            raise ValueError(f"cond dicts disagree on their keys: {sorted(keys)} vs {sorted(cond)}")
+    return {key: torch.stack([cond[key] for cond in conds]) for key in conds[0]}
