@@ -133,6 +133,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Run the train-output hook before this optimizer step instead of after the last (set by dmd2).",
     )
+    group.add_argument(
+        "--sft-uncond-prob",
+        type=float,
+        default=0.0,
+        help="SFT: share of pairs trained on the negative prompt's cond, so the model learns CFG's unconditional.",
+    )
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -141,12 +147,18 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--critic-lr", type=float, default=None, help="Learning rate of the DMD2 critic; defaults to --lr. dmd2 only."
     )
-    group.add_argument("--adam-beta1", type=float, default=0.9)
-    group.add_argument("--adam-beta2", type=float, default=0.999)
-    group.add_argument("--adam-eps", type=float, default=1e-8)
-    group.add_argument("--weight-decay", type=float, default=0.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1 of every group.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2 of every group.")
+    group.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
+    group.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay.")
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max global grad norm; 0 disables clipping.")
-    group.add_argument("--lr-decay-style", type=str, default="constant", choices=("constant", "cosine"))
+    group.add_argument(
+        "--lr-decay-style",
+        type=str,
+        default="constant",
+        choices=("constant", "cosine"),
+        help="Learning-rate schedule after the warmup; cosine decays to --min-lr over the run.",
+    )
     group.add_argument("--lr-warmup-steps", type=int, default=0, help="Linear warmup in optimizer steps.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Final learning rate of the cosine schedule.")
 
@@ -199,7 +211,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_dmd2_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("DMD2")
+    group = parser.add_argument_group(
+        "DMD2",
+        "Distribution matching distillation (Yin et al. 2024). LoRA, teacher adapters and a reference model are "
+        "not implemented, so their upstream flags do not exist.",
+    )
     group.add_argument(
         "--dmd2-critic-steps-per-rollout",
         type=int,
@@ -243,8 +259,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         "--output-dir", type=str, default="outputs/run", help="Run directory: metrics.jsonl, eval images, summary."
     )
     group.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
-    group.add_argument("--wandb-project", type=str, default="miles")
-    group.add_argument("--wandb-run-name", type=str, default=None)
+    group.add_argument("--wandb-project", type=str, default="miles", help="W&B project name.")
+    group.add_argument("--wandb-run-name", type=str, default=None, help="W&B run name; default: W&B picks one.")
     group.add_argument(
         "--wandb-mode", type=str, default="offline", choices=("offline", "online"), help="online needs a login."
     )
@@ -259,7 +275,13 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fn(args, images, records, rollout_id) -> dict of eval metrics (e.g. miles.eval.digits hook).",
     )
-    group.add_argument("--log-level", type=str, default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    group.add_argument(
+        "--log-level",
+        type=str,
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="Level of the driver's and workers' Python logging.",
+    )
 
 
 def _add_hook_args(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full parser, grouped as in ``docs/cli-reference.md``."""
     parser = _OneLineParser(
         prog="train_diffusion.py",
+        allow_abbrev=False,
         description="Distill a flow-matching text-to-image teacher into a few-step student (DMD2), or train with SFT.",
     )
     for add in (
@@ -387,11 +410,15 @@ def validate_batch_args(args: argparse.Namespace) -> None:
             _reject(f"{flag} must be >= 1, got {value}")
     total = rollout_pairs(args)
     if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
+        if total % args.num_steps_per_rollout == 0:
+            fix = f"set --global-batch-size to {total // args.num_steps_per_rollout} or change --num-steps-per-rollout"
+        else:
+            # No whole global batch exists, so suggesting one would be a fractional, unusable value.
+            fix = f"pick a --num-steps-per-rollout that divides {total}, or change --rollout-batch-size"
         _reject(
             f"--rollout-batch-size x --n-samples-per-prompt ({args.rollout_batch_size} x {args.n_samples_per_prompt}"
             f" = {total}) must equal --global-batch-size x --num-steps-per-rollout ({args.global_batch_size} x "
-            f"{args.num_steps_per_rollout}); set --global-batch-size to {total / args.num_steps_per_rollout:g}"
-            " or change --num-steps-per-rollout"
+            f"{args.num_steps_per_rollout}); {fix}"
         )
     per_step = dp_size(args) * args.micro_batch_size
     if args.global_batch_size % per_step != 0:
@@ -484,6 +511,12 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--train-output-before-step must be in [0, --num-steps-per-rollout {args.num_steps_per_rollout}), "
             f"got {args.train_output_before_step}"
         )
+    if args.diffusion_timesteps is not None:
+        t = args.diffusion_timesteps
+        if not t or any(not 0 < x <= 1000 for x in t) or any(b >= a for a, b in zip(t, t[1:])):
+            _reject(f"--diffusion-timesteps must be strictly descending values in (0, 1000], got {t}")
+    if not 0 <= args.sft_uncond_prob < 1:
+        _reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         _reject("--save-interval needs --save and must be >= 1")
     if args.eval_interval is not None and args.eval_interval < 1:

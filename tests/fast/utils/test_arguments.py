@@ -1,0 +1,196 @@
+"""Batch, teacher and hook validation of ``parse_args``, the CLI's one-line rejections, and picklable args."""
+
+import copy
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from miles.utils.arguments import (
+    ArgumentValidationError,
+    build_parser,
+    parse_args,
+    set_default_diffusion_args,
+    validate_args,
+)
+
+BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "3"]
+CUSTOM_HOOKS = [
+    "--custom-expand-samples-to-train-pairs-path",
+    "my_project.hooks.convert",
+    "--custom-prepare-train-batch-path",
+    "my_project.hooks.prepare",
+    "--custom-loss-function-path",
+    "my_project.hooks.loss",
+]
+
+
+def _validate(argv):
+    args = set_default_diffusion_args(build_parser().parse_args(argv))
+    validate_args(args)
+    return args
+
+
+def _rejected(argv) -> str:
+    with pytest.raises(ArgumentValidationError) as exc_info:
+        _validate(argv)
+    return str(exc_info.value)
+
+
+def test_batch_invariant_holds_with_the_default_global_batch():
+    args = parse_args(
+        [*BASE, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3", "--num-steps-per-rollout", "2"]
+    )
+    assert args.global_batch_size == 6
+    args = parse_args([*BASE, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8"])
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (8, 1)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+            "--rollout-batch-size x --n-samples-per-prompt (4 x 2 = 8) must equal --global-batch-size x "
+            "--num-steps-per-rollout (4 x 1); set --global-batch-size to 8 or change --num-steps-per-rollout",
+        ),
+        (
+            ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "2"]
+            + ["--global-batch-size", "2"],
+            "(4 x 2 = 8) must equal --global-batch-size x --num-steps-per-rollout (2 x 2); set --global-batch-size to 4",
+        ),
+        # 3 pairs cannot split into 2 equal steps, so no default global batch exists.
+        (
+            ["--rollout-batch-size", "3", "--num-steps-per-rollout", "2"],
+            "(3 x 1 = 3) must equal --global-batch-size x --num-steps-per-rollout (None x 2); pick a "
+            "--num-steps-per-rollout that divides 3, or change --rollout-batch-size",
+        ),
+    ],
+)
+def test_broken_batch_invariant_rejected(extra, message):
+    assert message in _rejected([*BASE, *extra])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--rollout-batch-size", "6", "--micro-batch-size", "4"],
+            "--global-batch-size 6 must be a multiple of DP size x --micro-batch-size (1 x 4 = 4)",
+        ),
+        (
+            ["--rollout-batch-size", "6", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2"],
+            "--global-batch-size 6 must be a multiple of DP size x --micro-batch-size (4 x 1 = 4)",
+        ),
+    ],
+)
+def test_global_batch_not_divisible_by_dp_times_micro_batch_rejected(extra, message):
+    assert message in _rejected([*BASE, *extra])
+    _validate([*BASE, *extra[:2], "--rollout-batch-size", "8"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--num-rollout must be a positive integer, got None"),
+        (["--rollout-batch-size", "0"], "--rollout-batch-size must be a positive integer, got 0"),
+        (["--rollout-batch-size", "4", "--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
+        (["--rollout-batch-size", "4", "--diffusion-num-steps", "0"], "--diffusion-num-steps must be >= 1, got 0"),
+    ],
+)
+def test_non_positive_sizes_rejected(extra, message):
+    argv = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl", *extra]
+    if extra:
+        argv += ["--num-rollout", "1"]
+    assert message in _rejected(argv)
+
+
+def test_teacher_load_without_consumer_rejected():
+    message = _rejected([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/models/teacher"])
+    assert message.startswith("--teacher-load has no consumer")
+    for flag in ("--custom-prepare-train-batch-path", "--custom-loss-function-path"):
+        assert flag in message
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--custom-prepare-train-batch-path", "--custom-loss-function-path", "--custom-train-output-function-path"],
+)
+def test_teacher_load_accepted_with_each_custom_hook_alone(flag):
+    args = _validate([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/models/teacher", flag, "my.hooks.fn"])
+    assert args.teacher_load == "/models/teacher"
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (
+            "--custom-prepare-train-batch-path",
+            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path",
+        ),
+        (
+            "--custom-loss-function-path",
+            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path",
+        ),
+        (
+            "--custom-expand-samples-to-train-pairs-path",
+            "--loss-type custom_loss needs --custom-expand-samples-to-train-pairs-path (the converter)",
+        ),
+    ],
+)
+def test_custom_loss_without_its_hooks_rejected(drop, message):
+    index = CUSTOM_HOOKS.index(drop)
+    hooks = CUSTOM_HOOKS[:index] + CUSTOM_HOOKS[index + 2 :]
+    assert message in _rejected([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss", *hooks])
+    args = _validate([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss", *CUSTOM_HOOKS])
+    assert args.custom_loss_function_path == "my_project.hooks.loss"
+
+
+def test_custom_loss_with_no_hooks_rejected():
+    message = _rejected([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss"])
+    assert "--loss-type custom_loss needs --custom-prepare-train-batch-path" in message
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--prompt-data", "/p.jsonl"], "--hf-checkpoint"),
+        (["--hf-checkpoint", "/m"], "--prompt-data"),
+        ([*BASE, "--rollout-batch-size", "4", "--global-batch-size", "3"], "--global-batch-size"),
+        ([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/t"], "--teacher-load"),
+        ([*BASE, "--rollout-batch-size", "4", "--critic-lr", "1e-4"], "--critic-lr"),
+        ([*BASE, "--rollout-batch-size", "4", "--save-interval", "2"], "--save-interval"),
+        # argparse's own errors are one line too.
+        ([*BASE, "--loss-type", "ppo"], "--loss-type"),
+        ([*BASE, "--rollout-batch-size", "four"], "--rollout-batch-size"),
+        ([*BASE, "--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_rejection_from_a_new_process_is_one_line_exit_2_no_traceback(argv, flag):
+    code = f"from miles.utils.arguments import parse_args; parse_args({argv!r})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr.endswith("\n"), result.stderr
+    assert lines[0].startswith("train_diffusion.py: error: ")
+    assert flag in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*BASE, "--rollout-batch-size", "4", "--diffusion-timesteps", "1000,750,500,250"],
+        [*BASE, "--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "10"]
+        + ["--diffusion-timesteps", "1000,500", "--load", "/ckpt/run", "--save", "/ckpt/run"],
+    ],
+    ids=["sft_loss", "dmd2"],
+)
+def test_deep_copy_of_parsed_args_pickles_to_the_same_bytes(argv):
+    args = parse_args(argv)
+    clone = copy.deepcopy(args)
+    assert clone is not args and clone.diffusion_timesteps is not args.diffusion_timesteps
+    assert pickle.dumps(clone) == pickle.dumps(args)
+    assert vars(pickle.loads(pickle.dumps(args))) == vars(args)
