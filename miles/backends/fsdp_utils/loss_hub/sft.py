@@ -32,6 +32,9 @@ def prepare_sft_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Prepar
     One generator per micro-batch, ``make_generator("sample", args.seed, ctx.rollout_id, ctx.microbatch_id,
     ctx.dp_rank)``, draws first the B grid indices (uniform in ``[0, N)``, int64) and then the noise ``ε`` (float32
     ``(B, C, H, W)``), always in that order and on the CPU, so a resumed run or a 2-rank run repeats them exactly.
+    With ``--sft-uncond-prob p > 0`` it then draws one uniform per pair and trains the pairs below ``p`` on their
+    ``neg_cond`` (classifier-free guidance training, Ho & Salimans 2022), so the model learns the unconditional
+    velocity that CFG needs.
 
     Args:
         ctx: the trainer context; reads ``args.seed``, ``args.fsdp_flow_shift``, ``rollout_id``, ``microbatch_id``,
@@ -59,11 +62,17 @@ def prepare_sft_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Prepar
     sigma_b = sigma.float().view(-1, *([1] * (x0.ndim - 1)))
     latents = (1 - sigma_b) * x0 + sigma_b * noise
     target = noise - x0
+    conds = [pair.pos_cond for pair in train_pairs]
+    uncond_prob = getattr(args, "sft_uncond_prob", 0.0)
+    if uncond_prob > 0:
+        # Drawn after the noise so that runs without conditioning dropout keep their exact draws.
+        drop = torch.rand(len(train_pairs), generator=generator) < uncond_prob
+        conds = [_uncond(pair) if dropped else cond for pair, cond, dropped in zip(train_pairs, conds, drop.tolist())]
     device = ctx.device
     return PreparedBatch(
         latents=latents.to(device),
         timestep=timestep.to(device),
-        cond={key: value.to(device) for key, value in collate_cond([pair.pos_cond for pair in train_pairs]).items()},
+        cond={key: value.to(device) for key, value in collate_cond(conds).items()},
         target=target.to(device),
         extras={
             "sigma": sigma.to(device),
@@ -72,6 +81,15 @@ def prepare_sft_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Prepar
             "grid_index": grid_index.to(device),
         },
     )
+
+
+def _uncond(pair: TrainPair) -> dict[str, torch.Tensor]:
+    if not pair.neg_cond:
+        raise ValueError(
+            f"--sft-uncond-prob needs the negative prompt's cond, but sample {pair.sample_index} has none; "
+            "the RolloutManager encodes --negative-prompt when --sft-uncond-prob > 0"
+        )
+    return pair.neg_cond
 
 
 def sft_loss_formula(

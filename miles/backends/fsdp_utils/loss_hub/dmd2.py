@@ -1,0 +1,337 @@
+"""DMD2 hooks: the critic group's training and scoring, and the student's distribution-matching step.
+
+The math is that of tianweiy/DMD2 ``compute_distribution_matching_loss`` (Yin et al., "Improved Distribution
+Matching Distillation for Fast Image Synthesis", 2024) in flow-matching form, as the upstream miles DMD2 series
+specifies it ([DMD2 4/7] critic group and scoring, [DMD2 5/7] generator loss):
+
+- critic ("fake score") steps: the SFT flow-matching loss on the student's ``x̂0_i`` with the positive cond
+  (:func:`prepare_critic_batch` + ``sft.sft_loss_formula``);
+- scoring (:func:`predict_teacher_and_critic_x0`, the critic group's train-output hook): re-noise ``x̂0_i`` at one σ of
+  the ``--fsdp-flow-shift`` grid inside 2–98% of the train timesteps (the reference's t ∈ [20, 980]); the frozen
+  teacher predicts with CFG, the critic unguided; both give ``x0 = x_σ − σ·v``;
+- student step (:func:`prepare_generator_batch` + :func:`dmd2_loss_formula`): the student recomputes
+  ``x0 = x_i − σ_i·v`` at the rollout's stopped step and follows
+  ``g = nan_to_num((x̂0_fake − x̂0_real) / mean|x0 − x̂0_real|)`` through the surrogate
+  ``0.5·mean((x0 − sg(x0 − g))²)``, whose gradient is ``g / numel``.
+"""
+
+import logging
+
+import torch
+from torch import nn
+
+from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
+from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.utils.misc import make_generator
+from miles.utils.types import TrainPair, collate_cond
+
+__all__ = [
+    "prepare_critic_batch",
+    "scoring_grid_indices",
+    "predict_teacher_and_critic_x0",
+    "prepare_generator_batch",
+    "dmd2_loss_formula",
+    "record_rollout_train_abs_diff",
+]
+
+logger = logging.getLogger(__name__)
+
+# Guards the x0_rel_max denominator when a rollout x0 is all zeros.
+_REL_EPS = 1e-12
+
+
+def prepare_critic_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+    """The critic's flow-matching batch: SFT on the student's ``x̂0_i`` with the rollout's positive cond.
+
+    Builds SFT-shaped pairs ``(sample_index, x0 = x̂0_i, pos_cond)`` and calls ``sft.prepare_sft_batch``, so the
+    critic's inputs, targets and seeds (``"sample"``, seed, rollout, micro-batch, DP rank) are exactly SFT's
+    ([DMD2 4/7]). See ``prepare_sft_batch`` for the returned fields.
+    """
+    sft_pairs = [TrainPair(sample_index=pair.sample_index, x0=pair.x0, pos_cond=pair.pos_cond) for pair in train_pairs]
+    return prepare_sft_batch(ctx, sft_pairs)
+
+
+def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
+    """Indices (int64, ascending) of the trainer grid whose timestep lies in the DMD2 scoring range.
+
+    The range is ``[--dmd2-min-timestep-ratio, --dmd2-max-timestep-ratio] · 1000`` (2–98% by default, tianweiy/DMD2's
+    ``min_step = 0.02·T``, ``max_step = 0.98·T``).
+
+    Raises:
+        ValueError: if no grid point falls in the range.
+    """
+    low = args.dmd2_min_timestep_ratio * NUM_TRAIN_TIMESTEPS
+    high = args.dmd2_max_timestep_ratio * NUM_TRAIN_TIMESTEPS
+    allowed = torch.nonzero((grid.timesteps >= low) & (grid.timesteps <= high)).flatten()
+    if len(allowed) == 0:
+        raise ValueError(
+            f"no timestep of the --fsdp-flow-shift {args.fsdp_flow_shift} grid lies in "
+            f"[{low:g}, {high:g}]; widen --dmd2-min-timestep-ratio / --dmd2-max-timestep-ratio"
+        )
+    return allowed
+
+
+def _reshard(models: list[nn.Module]) -> None:
+    # An FSDP2 root keeps its parameters unsharded after a no_grad forward (no backward reshards it), so a frozen
+    # teacher or a scored critic would hold full weights through sleep; EMAOptimizer.use_weights does the same.
+    for model in models:
+        reshard = getattr(model, "reshard", None)
+        if callable(reshard):
+            reshard()
+
+
+def _check_negative_conds(train_pairs: list[TrainPair], guidance_scale: float) -> None:
+    missing = [pair.sample_index for pair in train_pairs if not pair.neg_cond]
+    if missing:
+        shown = ", ".join(str(index) for index in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"--dmd2-teacher-guidance-scale {guidance_scale:g} runs teacher CFG over the negative prompt, but samples "
+            f"[{shown}] carry no negative cond; make the engine encode --negative-prompt for dmd2 rollouts, "
+            "or set --dmd2-teacher-guidance-scale 1"
+        )
+
+
+def _teacher_velocity(
+    ctx: TrainContext,
+    teacher: nn.Module,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    train_pairs: list[TrainPair],
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Teacher velocity with standard CFG ``uncond + w·(cond − uncond)``; one unguided forward when w == 1."""
+    pos_cond = collate_cond([pair.pos_cond for pair in train_pairs])
+    if guidance_scale == 1.0:
+        return ctx.predict_velocity(teacher, latents, timestep, pos_cond)
+    neg_cond = collate_cond([pair.neg_cond for pair in train_pairs])
+    if set(neg_cond) != set(pos_cond):
+        raise ValueError(
+            f"negative cond keys {sorted(neg_cond)} differ from positive cond keys {sorted(pos_cond)}; "
+            "the engine must encode --negative-prompt with the same text encoder as the prompt"
+        )
+    # One forward over [uncond; cond] halves the FSDP all-gathers of two separate forwards.
+    both_cond = {key: torch.cat([neg_cond[key], pos_cond[key]]) for key in pos_cond}
+    velocity = ctx.predict_velocity(teacher, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both_cond)
+    uncond, cond = velocity.float().chunk(2)
+    return uncond + guidance_scale * (cond - uncond)
+
+
+def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair]) -> dict[str, torch.Tensor]:
+    """Score the student's samples with the frozen teacher (CFG) and the critic (unguided): the critic group's output.
+
+    Runs after the critic's K steps (or before its last one with ``--dmd2-critic-scoring original``), under no grad,
+    over this rank's whole DP shard, in micro-batches of ``--micro-batch-size`` pairs with ids ``0, 1, ...``. Per
+    micro-batch ``m``, one generator ``make_generator("dmd2_score", args.seed, ctx.rollout_id, m, ctx.dp_rank)``
+    draws first the grid positions (uniform over :func:`scoring_grid_indices`) and then the noise ``ε``; then
+    ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
+
+    This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
+    score without), see [DMD2 4/7]. Both models are resharded afterwards, also on error.
+
+    Args:
+        ctx: reads ``teacher_models["transformer"]`` (frozen teacher), ``models["transformer"]`` (the critic),
+            ``args.seed``, ``args.fsdp_flow_shift``, ``args.micro_batch_size``, ``args.dmd2_teacher_guidance_scale``,
+            ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
+        train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
+
+    Returns:
+        On the CPU, in the shard's order: ``{"sample_index": int64 (N,), "x0_real": float32 (N, C, H, W) (teacher),
+        "x0_fake": float32 (N, C, H, W) (critic), "sigma": float64 (N,) in [0, 1]}``.
+
+    Raises:
+        ValueError: with no pairs, without a teacher, or when the teacher runs CFG (guidance ≠ 1) and a pair has an
+            empty negative cond (names ``--dmd2-teacher-guidance-scale`` and the negative prompt).
+    """
+    if not train_pairs:
+        raise ValueError("predict_teacher_and_critic_x0 got no train pairs; the critic group's DP shard is empty")
+    if "transformer" not in ctx.teacher_models:
+        raise ValueError(
+            "DMD2 scoring needs the frozen teacher in the critic group (ctx.teacher_models['transformer']); "
+            "set --teacher-load"
+        )
+    args = ctx.args
+    teacher = ctx.teacher_models["transformer"]
+    critic = ctx.models["transformer"]
+    guidance_scale = float(args.dmd2_teacher_guidance_scale)
+    if guidance_scale != 1.0:
+        _check_negative_conds(train_pairs, guidance_scale)
+    grid = trainer_flow_grid(args)
+    allowed = scoring_grid_indices(args, grid)
+    micro_batch_size = args.micro_batch_size
+
+    x0_real_parts, x0_fake_parts, sigma_parts = [], [], []
+    try:
+        with torch.no_grad():
+            for microbatch_id, start in enumerate(range(0, len(train_pairs), micro_batch_size)):
+                chunk = train_pairs[start : start + micro_batch_size]
+                x0_hat = torch.stack([pair.x0 for pair in chunk]).float()
+                generator = make_generator("dmd2_score", args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
+                grid_index = allowed[torch.randint(0, len(allowed), (len(chunk),), generator=generator)]
+                noise = torch.randn(x0_hat.shape, generator=generator, dtype=torch.float32)
+                sigma = grid.sigmas[grid_index]
+                timestep = grid.timesteps[grid_index].float()
+                sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
+                x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
+
+                v_real = _teacher_velocity(ctx, teacher, x_sigma, timestep, chunk, guidance_scale)
+                v_fake = ctx.predict_velocity(critic, x_sigma, timestep, collate_cond([p.pos_cond for p in chunk]))
+                x0_real_parts.append(x_sigma - sigma_b * v_real.float().cpu())
+                x0_fake_parts.append(x_sigma - sigma_b * v_fake.float().cpu())
+                sigma_parts.append(sigma)
+    finally:
+        _reshard(list(ctx.teacher_models.values()) + list(ctx.models.values()))
+
+    logger.debug(
+        "rollout %d dp rank %d: scored %d samples (teacher guidance %g) in %d micro-batches",
+        ctx.rollout_id,
+        ctx.dp_rank,
+        len(train_pairs),
+        guidance_scale,
+        len(sigma_parts),
+    )
+    return {
+        "sample_index": torch.tensor([pair.sample_index for pair in train_pairs], dtype=torch.long),
+        "x0_real": torch.cat(x0_real_parts),
+        "x0_fake": torch.cat(x0_fake_parts),
+        "sigma": torch.cat(sigma_parts),
+    }
+
+
+def _single_component(ctx: TrainContext) -> str:
+    if len(ctx.models) != 1:
+        raise ValueError(
+            f"--loss-type dmd2 trains a single DiT component, got trainable components {sorted(ctx.models)}; "
+            "train one denoiser per student"
+        )
+    return next(iter(ctx.models))
+
+
+def prepare_generator_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+    """The student's unguided forward at the rollout's stopped step ``(x_i, t_i)`` with the positive cond.
+
+    Args:
+        train_pairs: DMD2 pairs from ``data_conversion_hub.dmd2``; each has ``latent`` (``x_i``, float32
+            ``(C, H, W)``), ``sigma`` (``σ_i`` in [0, 1]), ``timestep`` (``t_i`` in [0, 1000]) and ``x0``
+            (the rollout's ``x̂0_i``).
+
+    Returns:
+        PreparedBatch with ``latents`` ``x_i`` float32 ``(B, C, H, W)``, ``timestep`` float32 ``(B,)``, the collated
+        positive ``cond``, no target, ``component`` = the single trainable component, and ``extras`` =
+        ``{"sigma": float64 (B,), "rollout_x0": float32 (B, C, H, W), "sample_index": int64 (B,)}``.
+
+    Raises:
+        ValueError: if ``ctx.models`` holds more than one trainable component, or a pair lacks its DMD2 fields.
+    """
+    component = _single_component(ctx)
+    for pair in train_pairs:
+        if pair.latent is None or pair.sigma is None or pair.timestep is None:
+            raise ValueError(
+                f"train pair of sample {pair.sample_index} has no latent/sigma/timestep; --loss-type dmd2 needs the "
+                "pairs of miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
+            )
+    device = ctx.device
+    return PreparedBatch(
+        latents=torch.stack([pair.latent for pair in train_pairs]).float().to(device),
+        timestep=torch.tensor([pair.timestep for pair in train_pairs], dtype=torch.float32, device=device),
+        cond={key: value.to(device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()},
+        extras={
+            "sigma": torch.tensor([pair.sigma for pair in train_pairs], dtype=torch.float64, device=device),
+            "rollout_x0": torch.stack([pair.x0 for pair in train_pairs]).float().to(device),
+            "sample_index": torch.tensor([pair.sample_index for pair in train_pairs], dtype=torch.long),
+        },
+        component=component,
+    )
+
+
+def record_rollout_train_abs_diff(
+    metrics: dict[str, list[float]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
+) -> None:
+    """Append per-pair gaps between a trainer-side tensor and its rollout counterpart to ``metrics``.
+
+    For each pair j (first dim): ``<prefix>_mean_abs_diff`` = mean|train − rollout|, ``<prefix>_max_abs_diff`` =
+    max|train − rollout| and ``<prefix>_rel_max`` = max|train − rollout| / max(max|rollout|, 1e-12). The gap is
+    pure rollout/train numerics when both ran the same weights on the same input.
+
+    Args:
+        train, rollout: tensors of the same shape ``(B, ...)``; compared in float32, detached.
+    """
+    train = train.detach().float()
+    rollout = rollout.detach().to(device=train.device, dtype=torch.float32)
+    diff = (train - rollout).abs().flatten(1)
+    max_diff = diff.max(dim=1).values
+    scale = rollout.abs().flatten(1).max(dim=1).values.clamp_min(_REL_EPS)
+    metrics.setdefault(f"{prefix}_mean_abs_diff", []).extend(diff.mean(dim=1).cpu().tolist())
+    metrics.setdefault(f"{prefix}_max_abs_diff", []).extend(max_diff.cpu().tolist())
+    metrics.setdefault(f"{prefix}_rel_max", []).extend((max_diff / scale).cpu().tolist())
+
+
+def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.device):
+    scores = ctx.external_data.get("critic")
+    if scores is None:
+        raise RuntimeError(
+            "ctx.external_data has no 'critic' output; --loss-type dmd2 must train the critic group (with the "
+            "train-output hook loss_hub.dmd2.predict_teacher_and_critic_x0) before the actor"
+        )
+    row_of = {index: row for row, index in enumerate(scores["sample_index"].tolist())}
+    rows = []
+    for index in sample_index.tolist():
+        if index not in row_of:
+            raise RuntimeError(
+                f"the critic group's scores have no sample {index}; the paired critic and actor ranks must hold "
+                "the same DP shard of the rollout"
+            )
+        rows.append(row_of[index])
+    rows = torch.tensor(rows, dtype=torch.long)
+    x0_real = scores["x0_real"][rows].to(device=device, dtype=torch.float32)
+    x0_fake = scores["x0_fake"][rows].to(device=device, dtype=torch.float32)
+    return x0_real, x0_fake
+
+
+def dmd2_loss_formula(
+    ctx: TrainContext,
+    train_pairs: list[TrainPair],
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    metrics: dict[str, list[float]],
+) -> torch.Tensor:
+    """DMD2 generator surrogate, summed over the micro-batch's pairs ([DMD2 5/7]).
+
+    Per pair j, with ``x0 = x_i − σ_i·v̂`` (float32) and the critic group's ``x̂0_real`` / ``x̂0_fake``:
+    ``g = nan_to_num((x̂0_fake − x̂0_real) / mean|x0 − x̂0_real|)`` (normalizer over (C, H, W), detached) and
+    ``loss_j = 0.5·mean((x0 − sg(x0 − g))²)``, so ``∂loss_j/∂x0 = g / numel``. tianweiy/DMD2
+    ``compute_distribution_matching_loss`` computes the same g (its ``p_real − p_fake``) and a batch-mean MSE, which
+    the trainer's division by the window's pair count reproduces. The value, ``0.5·mean(g²)``, is a gradient size,
+    not a convergence measure.
+
+    Args:
+        new_pred: the student's velocity ``v̂``, float32 ``(B, C, H, W)``, with grad.
+        prepared: from :func:`prepare_generator_batch` (``latents`` = ``x_i``, ``extras["sigma"]``,
+            ``extras["rollout_x0"]``, ``extras["sample_index"]``).
+        metrics: appends per pair ``dmd2_loss``, ``dmd2_grad_abs_mean``, ``dmd2_nonfinite_frac`` (share of g entries
+            that ``nan_to_num`` replaced) and the ``x0_*`` gaps of :func:`record_rollout_train_abs_diff`.
+
+    Raises:
+        RuntimeError: if ``ctx.external_data["critic"]`` is missing or lacks one of the batch's sample indices.
+    """
+    device = new_pred.device
+    v = new_pred.float()
+    latents = prepared.latents.to(device=device, dtype=torch.float32)
+    sigma = prepared.extras["sigma"].to(device=device, dtype=torch.float32).view(-1, *([1] * (v.ndim - 1)))
+    x0 = latents - sigma * v
+    x0_real, x0_fake = _critic_scores(ctx, prepared.extras["sample_index"], device)
+
+    reduce_dims = tuple(range(1, x0.ndim))
+    with torch.no_grad():
+        normalizer = (x0.detach() - x0_real).abs().mean(dim=reduce_dims, keepdim=True)
+        ratio = (x0_fake - x0_real) / normalizer
+        nonfinite = ~torch.isfinite(ratio)
+        grad = torch.nan_to_num(ratio)
+    per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
+
+    metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())
+    metrics.setdefault("dmd2_grad_abs_mean", []).extend(grad.abs().flatten(1).mean(dim=1).cpu().tolist())
+    metrics.setdefault("dmd2_nonfinite_frac", []).extend(nonfinite.flatten(1).float().mean(dim=1).cpu().tolist())
+    record_rollout_train_abs_diff(metrics, "x0", x0, prepared.extras["rollout_x0"])
+    return per_pair.sum()
