@@ -1,0 +1,145 @@
+"""PNG grids of generated digits: one row per class 0..9, labelled, upscaled without smoothing.
+
+Layout (all sizes in output pixels; ``cell = H·scale × W·scale``)::
+
+    ┌──────────────── title band (only with a title) ────────────────┐
+    │ sp │ label │ sp │ cell │ sp │ cell │ sp │ ... (per_row cells) │ sp
+    │ "0"  images whose label is 0, in input order                     │
+    │ ...                                                               │
+    │ "9"                                                               │
+
+Rows are separated by ``spacing`` pixels of background (white). A class with fewer than ``per_row`` images leaves
+its remaining cells blank; images beyond ``per_row`` are not drawn.
+"""
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from miles.eval.digits_data import to_uint8_images
+
+__all__ = ["render_digit_grid", "save_digit_grid"]
+
+logger = logging.getLogger(__name__)
+
+_BACKGROUND = 255
+_INK = 0
+_NUM_CLASSES = 10
+
+
+def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    # Pillow's bundled default font: no font file to ship or find. With FreeType it scales to ``size``; without it
+    # Pillow falls back to its fixed-size bitmap font, which is still legible.
+    return ImageFont.load_default(size=size)
+
+
+def render_digit_grid(
+    images: Any,
+    labels: Any,
+    *,
+    per_row: int = 10,
+    scale: int = 6,
+    spacing: int = 4,
+    label_width: int | None = None,
+    title: str | None = None,
+) -> Image.Image:
+    """Draw the grid and return it as a PIL image (mode "L" for grayscale input, "RGB" for 3-channel input).
+
+    Args:
+        images: uint8 ``[N, H, W]`` or ``[N, H, W, C]`` (C = 1 or 3) pixels 0..255, or float latents
+            ``[N, C, H, W]`` in ``[-1, 1]`` (see :func:`miles.eval.digits_data.to_uint8_images`).
+        labels: int ``[N]`` digit of each image, 0..9; selects the row.
+        per_row: cells per row (≥ 1).
+        scale: integer nearest-neighbour upscaling factor (≥ 1): each pixel becomes a ``scale × scale`` block.
+        spacing: background pixels around and between cells (≥ 0).
+        label_width: width of the left label column; default ``max(12, cell_width // 2)``.
+        title: optional text drawn in a band above the rows.
+
+    Raises:
+        ValueError: on a label outside 0..9, a label count that differs from the image count, an unsupported
+            channel count, or a non-positive ``per_row`` / ``scale``.
+    """
+    pixels = to_uint8_images(images)
+    if pixels.ndim == 4 and pixels.shape[-1] == 1:
+        pixels = pixels[..., 0]
+    if pixels.ndim == 4 and pixels.shape[-1] != 3:
+        raise ValueError(f"grid images need 1 or 3 channels, got shape {list(pixels.shape)}")
+    labels = np.asarray(labels).reshape(-1)
+    if len(labels) != len(pixels):
+        raise ValueError(f"got {len(pixels)} images but {len(labels)} labels")
+    if len(labels) and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"grid labels must be integers 0..9, got values {sorted(set(labels.tolist()))[:12]}")
+    if per_row < 1 or scale < 1 or spacing < 0:
+        raise ValueError(f"per_row={per_row} and scale={scale} must be >= 1 and spacing={spacing} >= 0")
+
+    height, width = pixels.shape[1:3]
+    cell_h, cell_w = height * scale, width * scale
+    label_w = label_width if label_width is not None else max(12, cell_w // 2)
+    font_size = max(8, min(cell_h * 3 // 5, 24))
+    font = _font(font_size)
+    title_h = font_size + 2 * spacing if title else 0
+    grid_w = spacing + label_w + spacing + per_row * (cell_w + spacing)
+    if title:
+        # Widen the canvas (blank on the right) rather than clip a title longer than the rows.
+        left, _, right, _ = font.getbbox(title)
+        grid_w = max(grid_w, int(np.ceil(right - left)) + 2 * spacing)
+    grid_h = title_h + spacing + _NUM_CLASSES * (cell_h + spacing)
+    channel_shape = (3,) if pixels.ndim == 4 else ()
+    canvas = np.full((grid_h, grid_w, *channel_shape), _BACKGROUND, dtype=np.uint8)
+
+    cells_x0 = spacing + label_w + spacing
+    for label in range(_NUM_CLASSES):
+        y0 = title_h + spacing + label * (cell_h + spacing)
+        for column, index in enumerate(np.flatnonzero(labels == label)[:per_row]):
+            x0 = cells_x0 + column * (cell_w + spacing)
+            upscaled = np.repeat(np.repeat(pixels[index], scale, axis=0), scale, axis=1)
+            canvas[y0 : y0 + cell_h, x0 : x0 + cell_w] = upscaled
+
+    image = Image.fromarray(canvas)  # 2-D → mode "L", [H, W, 3] → "RGB"
+    draw = ImageDraw.Draw(image)
+    ink = (_INK,) * 3 if channel_shape else _INK
+    for label in range(_NUM_CLASSES):
+        center_y = title_h + spacing + label * (cell_h + spacing) + cell_h / 2
+        _draw_centered(draw, str(label), (spacing + label_w / 2, center_y), font, ink)
+    if title:
+        left, top, _, _ = draw.textbbox((0, 0), title, font=font)
+        draw.text((spacing - left, spacing - top), title, fill=ink, font=font)
+    return image
+
+
+def _draw_centered(draw: ImageDraw.ImageDraw, text: str, center: tuple[float, float], font, fill) -> None:
+    # Centre by the ink bounding box rather than with ``anchor=``: the bitmap fallback font does not take anchors.
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    x = center[0] - (right - left) / 2 - left
+    y = center[1] - (bottom - top) / 2 - top
+    draw.text((x, y), text, fill=fill, font=font)
+
+
+def save_digit_grid(
+    images: Any,
+    labels: Any,
+    path: str | os.PathLike,
+    *,
+    per_row: int = 10,
+    scale: int = 6,
+    spacing: int = 4,
+    label_width: int | None = None,
+    title: str | None = None,
+) -> str:
+    """Render the grid (see :func:`render_digit_grid`) and save it as PNG at ``path`` (parents created).
+
+    Returns:
+        ``path`` as a string.
+    """
+    image = render_digit_grid(
+        images, labels, per_row=per_row, scale=scale, spacing=spacing, label_width=label_width, title=title
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG")
+    logger.info("saved digit grid %s (%dx%d)", path, image.width, image.height)
+    return str(path)
