@@ -1,0 +1,117 @@
+"""The ``sd3`` family: any diffusers ``StableDiffusion3Pipeline`` directory (SD3, SD3.5 Medium / Large).
+
+Prompts are encoded by the pipeline's own ``encode_prompt`` (two CLIP encoders plus T5, or zeros in T5's place when
+the pipeline was saved with ``text_encoder_3=None``). Latents are the VAE's, normalised as the pipeline does:
+``z = (vae.encode(x).mode() − shift_factor) · scaling_factor``, decoded by ``x = vae.decode(z / scaling_factor +
+shift_factor)`` with pixels ``x`` in [-1, 1].
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+
+from miles.models.base import ModelFamily, read_json
+
+__all__ = ["SD3Family", "SD3PromptEncoder"]
+
+logger = logging.getLogger(__name__)
+
+
+class SD3PromptEncoder:
+    """The text half of an SD3 pipeline, run through ``StableDiffusion3Pipeline.encode_prompt``.
+
+    The pipeline object is built with a weightless (meta-device) transformer, because ``encode_prompt`` reads only its
+    config (``joint_attention_dim``), and without the VAE, so the encoder holds just the text models.
+
+    Args:
+        path: the pipeline directory.
+        device: where the text encoders run.
+        max_sequence_length: T5 token count (256 in diffusers' pipeline).
+    """
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", max_sequence_length: int = 256) -> None:
+        from accelerate import init_empty_weights
+        from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        path = Path(path)
+        model_index = read_json(path / "model_index.json", "pipeline model_index.json")
+        # from_pretrained refuses to build a pipeline with components saved as null unless they are passed as None.
+        absent = {
+            name: None
+            for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+            if not isinstance(model_index.get(name), list) or model_index[name][0] is None
+        }
+        with init_empty_weights():
+            meta_transformer = SD3Transformer2DModel.from_config(
+                SD3Transformer2DModel.load_config(path / "transformer")
+            )
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(path, transformer=meta_transformer, vae=None, **absent)
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(self.pipe, name, None)
+            if module is not None:
+                module.to(device).eval()
+        self.device = torch.device(device)
+        self.max_sequence_length = max_sequence_length
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return float32 ``(B, 77 + T5 length, joint_attention_dim)`` and float32 ``(B, 2 · CLIP projection)``."""
+        prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return prompt_embeds.float(), pooled.float()
+
+
+class SD3Family(ModelFamily):
+    """Diffusers SD3 / SD3.5 pipelines: ``SD3Transformer2DModel`` over VAE latents, CLIP×2 (+T5) text."""
+
+    name = "sd3"
+
+    def __init__(self, pipeline_path: str | Path) -> None:
+        super().__init__(pipeline_path)
+        self._vae = None
+
+    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> SD3PromptEncoder:
+        return SD3PromptEncoder(path, device=device)
+
+    def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
+        config = read_json(Path(path) / "transformer" / "config.json", "transformer config")
+        return (int(config["in_channels"]), int(config["sample_size"]), int(config["sample_size"]))
+
+    @property
+    def vae(self):
+        """The pipeline's ``AutoencoderKL`` (float32, eval, CPU), loaded on first use."""
+        if self._vae is None:
+            from diffusers import AutoencoderKL
+
+            self._vae = AutoencoderKL.from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32).eval()
+        return self._vae
+
+    def _factors(self) -> tuple[float, float]:
+        config = self.vae.config
+        return float(config.scaling_factor), float(config.shift_factor or 0.0)
+
+    @torch.no_grad()
+    def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (or float 0..255) ``(B, H, W, 3)`` → float32 VAE latents ``(B, C, H/f, W/f)`` (posterior mode)."""
+        images = torch.as_tensor(images)
+        if images.ndim != 4:
+            raise ValueError(f"SD3 images must be (B, H, W, C), got shape {tuple(images.shape)}")
+        pixels = (images.float() / 255.0 * 2.0 - 1.0).permute(0, 3, 1, 2)
+        scaling, shift = self._factors()
+        latents = self.vae.encode(pixels).latent_dist.mode()
+        return ((latents - shift) * scaling).float()
+
+    @torch.no_grad()
+    def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """float VAE latents ``(B, C, h, w)`` → uint8 ``(B, h·f, w·f, 3)``."""
+        scaling, shift = self._factors()
+        pixels = self.vae.decode(latents.detach().float().cpu() / scaling + shift, return_dict=False)[0]
+        pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
+        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()

@@ -1,0 +1,154 @@
+"""The rollout's prompt source: a JSONL file read in seeded, per-epoch shuffled order with a resumable cursor.
+
+Each line is a JSON object with the prompt under ``--input-key`` and any other fields (``{"prompt": "a handwritten
+digit 7", "label": 7, "image": [[0, ...], ...]}``). SFT records carry a clean image under ``--image-key``: a nested
+list of ints 0..255 of shape ``(H, W)`` or ``(H, W, C)``, or a path (absolute, or relative to the JSONL file) to a
+``.npy`` or ``.png`` file; ``load_image_latent`` turns it into the family's latent.
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.utils.misc import make_generator
+
+__all__ = ["JsonlPromptSource", "load_image", "load_image_latent"]
+
+logger = logging.getLogger(__name__)
+
+
+class JsonlPromptSource:
+    """Hands out records in batches, epoch after epoch.
+
+    Epoch e visits every record once, in the order ``randperm(N)`` from ``stable_hash("prompt_shuffle", seed, e)``
+    (file order when ``shuffle`` is False). A batch that crosses an epoch's end continues in the next epoch.
+
+    Args:
+        path: the JSONL file (``--prompt-data``).
+        input_key: the prompt's field (``--input-key``).
+        seed: shuffle seed (``--rollout-seed``).
+        shuffle: shuffle each epoch (``--rollout-shuffle``).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: on a line that is not a JSON object, lacks ``input_key``, or an empty file.
+    """
+
+    def __init__(self, path: str | Path, input_key: str = "prompt", seed: int = 42, shuffle: bool = True) -> None:
+        self.path = Path(path)
+        self.input_key = input_key
+        self.seed = seed
+        self.shuffle = shuffle
+        if not self.path.is_file():
+            raise FileNotFoundError(f"--prompt-data {self.path} does not exist")
+        self.records: list[dict[str, Any]] = []
+        with open(self.path) as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"--prompt-data {self.path}:{line_no} is not valid JSON ({exc})") from exc
+                if not isinstance(record, dict) or input_key not in record:
+                    raise ValueError(
+                        f"--prompt-data {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
+                        "prompt's field"
+                    )
+                self.records.append(record)
+        if not self.records:
+            raise ValueError(f"--prompt-data {self.path} holds no records")
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._epoch_order(0)
+        logger.info("prompt source %s: %d records, shuffle=%s", self.path, len(self.records), shuffle)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        return torch.randperm(len(self.records), generator=make_generator("prompt_shuffle", self.seed, epoch)).tolist()
+
+    def next_batch(self, batch_size: int) -> list[dict[str, Any]]:
+        """The next ``batch_size`` records (shallow copies), advancing the cursor across epochs as needed."""
+        if batch_size < 1:
+            raise ValueError(f"--rollout-batch-size must be >= 1, got {batch_size}")
+        batch = []
+        while len(batch) < batch_size:
+            if self.cursor == len(self.records):
+                self.epoch += 1
+                self.cursor = 0
+                self._order = self._epoch_order(self.epoch)
+            batch.append(dict(self.records[self._order[self.cursor]]))
+            self.cursor += 1
+        return batch
+
+    def prompt(self, record: dict[str, Any]) -> str:
+        """The record's prompt text."""
+        return str(record[self.input_key])
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "cursor"}``: enough to resume, since the order is a function of (seed, epoch)."""
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["epoch"]``, ``state["cursor"]``.
+
+        Raises:
+            ValueError: if the cursor lies beyond this file's record count (the data changed since the checkpoint).
+        """
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if not 0 <= cursor <= len(self.records):
+            raise ValueError(
+                f"data source state has cursor {cursor} but --prompt-data {self.path} holds {len(self.records)} "
+                "records; resume with the same data file"
+            )
+        self.epoch, self.cursor = epoch, cursor
+        self._order = self._epoch_order(epoch)
+
+
+def load_image(value: Any, base_dir: str | Path | None = None) -> torch.Tensor:
+    """Load one record's image as uint8 ``(H, W)`` or ``(H, W, C)`` pixels in 0..255.
+
+    Args:
+        value: a nested list of ints 0..255, or a path to a ``.npy`` / ``.png`` file.
+        base_dir: directory that relative paths are resolved against (the JSONL file's).
+
+    Raises:
+        ValueError: on values outside 0..255, a non-integer array, or an unsupported file type.
+        FileNotFoundError: if the path does not exist.
+    """
+    if isinstance(value, str):
+        path = Path(value)
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if not path.is_file():
+            raise FileNotFoundError(f"image file {path} does not exist (relative paths are read from {base_dir})")
+        if path.suffix == ".npy":
+            array = np.load(path)
+        elif path.suffix == ".png":
+            from PIL import Image
+
+            array = np.asarray(Image.open(path))
+        else:
+            raise ValueError(f"image file {path} must be .npy or .png")
+    else:
+        array = np.asarray(value)
+    if array.dtype.kind not in "iub":
+        raise ValueError(f"image values must be integers 0..255, got dtype {array.dtype}")
+    if array.size and (array.min() < 0 or array.max() > 255):
+        raise ValueError(f"image values must be in 0..255, got {array.min()}..{array.max()}")
+    if array.ndim not in (2, 3):
+        raise ValueError(f"an image must be (H, W) or (H, W, C), got shape {array.shape}")
+    return torch.from_numpy(array.astype(np.uint8))
+
+
+def load_image_latent(family: Any, value: Any, base_dir: str | Path | None = None) -> torch.Tensor:
+    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``)."""
+    return family.images_to_latents(load_image(value, base_dir).unsqueeze(0))[0]

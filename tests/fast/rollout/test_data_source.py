@@ -1,0 +1,81 @@
+"""The JSONL prompt source: seeded per-epoch order, resumable cursor, clear errors, SFT images."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from miles.models.digits import DigitsFamily
+from miles.rollout.data_source import JsonlPromptSource, load_image, load_image_latent
+from miles.utils.misc import make_generator
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_jsonl(tmp_path / "p.jsonl", [{"text": f"digit {i}", "label": i} for i in range(10)])
+
+
+def test_each_epoch_is_a_seeded_permutation(data):
+    source = JsonlPromptSource(data, input_key="text", seed=5, shuffle=True)
+    epoch0 = [r["label"] for r in source.next_batch(10)]
+    epoch1 = [r["label"] for r in source.next_batch(10)]
+    assert epoch0 == torch.randperm(10, generator=make_generator("prompt_shuffle", 5, 0)).tolist()
+    assert epoch1 == torch.randperm(10, generator=make_generator("prompt_shuffle", 5, 1)).tolist()
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10)) and epoch0 != epoch1
+    assert source.state_dict() == {"epoch": 1, "cursor": 10}
+    assert source.prompt(source.records[3]) == "digit 3"
+
+
+def test_batches_cross_epochs_and_resume_from_state(data):
+    source = JsonlPromptSource(data, input_key="text", seed=1)
+    source.next_batch(4)
+    state = source.state_dict()
+    rest = [r["label"] for r in source.next_batch(8)]  # 6 from epoch 0, 2 from epoch 1
+    assert source.state_dict() == {"epoch": 1, "cursor": 2}
+    resumed = JsonlPromptSource(data, input_key="text", seed=1)
+    resumed.load_state_dict(state)
+    assert [r["label"] for r in resumed.next_batch(8)] == rest
+    with pytest.raises(ValueError, match="cursor 11"):
+        resumed.load_state_dict({"epoch": 0, "cursor": 11})
+
+
+def test_unshuffled_order_is_the_file_order_and_batches_may_exceed_the_file(data):
+    source = JsonlPromptSource(data, input_key="text", shuffle=False)
+    assert [r["label"] for r in source.next_batch(13)] == list(range(10)) + [0, 1, 2]
+
+
+def test_bad_files_are_rejected_with_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--prompt-data"):
+        JsonlPromptSource(tmp_path / "missing.jsonl")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"caption": "b"}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 has no field 'prompt'.*--input-key"):
+        JsonlPromptSource(bad)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match="broken.jsonl:2 is not valid JSON"):
+        JsonlPromptSource(tmp_path / "broken.jsonl")
+
+
+def test_images_load_from_lists_npy_and_png(tmp_path):
+    from PIL import Image
+
+    pixels = (np.arange(64).reshape(8, 8) * 4).astype(np.uint8)
+    np.save(tmp_path / "img.npy", pixels)
+    Image.fromarray(pixels).save(tmp_path / "img.png")
+    for value in (pixels.tolist(), "img.npy", str(tmp_path / "img.png")):
+        image = load_image(value, base_dir=tmp_path)
+        assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(pixels))
+    latent = load_image_latent(DigitsFamily(tmp_path), pixels.tolist())
+    assert latent.shape == (1, 8, 8)
+    torch.testing.assert_close(latent[0], torch.from_numpy(pixels).float() / 255 * 2 - 1)
+    with pytest.raises(ValueError, match="0..255"):
+        load_image([[0, 256]])
+    with pytest.raises(ValueError, match="integers"):
+        load_image([[0.5, 1.0]])
+    with pytest.raises(FileNotFoundError, match="nope.npy"):
+        load_image("nope.npy", base_dir=tmp_path)
