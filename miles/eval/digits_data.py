@@ -48,7 +48,10 @@ HELDOUT_FRACTION = 0.2
 SPLIT_SEED = 0
 SPLITS = ("train", "heldout")
 # Bumped whenever the record layout or the split rule changes, so stale output directories are rewritten.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_JSONL_FILES = ("train", "heldout", "prompts", "eval_prompts")
+# Train-time eval prompts per digit: 100 images, one grid row of 10 per digit.
+EVAL_PROMPT_REPEATS = 10
 _MAX_DIGITS_VALUE = 16
 
 
@@ -177,6 +180,8 @@ def write_digits_jsonl(
       (uint8 pixel values 0..255, row-major), one per image of the split, in dataset order.
     * ``prompts.jsonl``: DMD2 prompt records ``{"prompt": str, "label": int}``: each of the 10 class prompts
       ``prompt_repeats`` times, shuffled with ``numpy.random.default_rng(stable_hash("digits_prompts", seed))``.
+    * ``eval_prompts.jsonl``: the train-time eval prompts, each class prompt ``EVAL_PROMPT_REPEATS`` times in label
+      order (one grid row per digit).
     * ``manifest.json``: format version, split seed, held-out fraction, ``prompt_repeats`` and the record count of
       every file. It is written last; a later call returns at once when the manifest matches these settings and
       every file has its recorded number of lines.
@@ -187,7 +192,7 @@ def write_digits_jsonl(
         seed: split seed (see the module docstring) and prompt shuffle seed.
 
     Returns:
-        ``{"train": path, "heldout": path, "prompts": path, "manifest": path}`` (strings).
+        ``{"train": path, "heldout": path, "prompts": path, "eval_prompts": path, "manifest": path}`` (strings).
 
     Raises:
         ValueError: if ``prompt_repeats`` < 1.
@@ -195,7 +200,7 @@ def write_digits_jsonl(
     if prompt_repeats < 1:
         raise ValueError(f"prompt_repeats={prompt_repeats} must be at least 1")
     out = Path(out_dir)
-    paths = {name: out / f"{name}.jsonl" for name in ("train", "heldout", "prompts")}
+    paths = {name: out / f"{name}.jsonl" for name in _JSONL_FILES}
     paths["manifest"] = out / "manifest.json"
     result = {name: str(path) for name, path in paths.items()}
     settings = {
@@ -209,8 +214,7 @@ def write_digits_jsonl(
         try:
             manifest = json.loads(paths["manifest"].read_text())
             complete = all(manifest.get(key) == value for key, value in settings.items()) and all(
-                paths[name].exists() and _count_lines(paths[name]) == manifest["counts"][name]
-                for name in ("train", "heldout", "prompts")
+                paths[name].exists() and _count_lines(paths[name]) == manifest["counts"][name] for name in _JSONL_FILES
             )
         except (json.JSONDecodeError, KeyError, TypeError):
             complete = False
@@ -234,6 +238,10 @@ def write_digits_jsonl(
     prompt_labels = np.random.default_rng(stable_hash("digits_prompts", seed)).permutation(prompt_labels)
     _write_jsonl(paths["prompts"], [{"prompt": prompt_for_label(lbl), "label": int(lbl)} for lbl in prompt_labels])
     counts["prompts"] = len(prompt_labels)
+
+    eval_labels = np.repeat(np.arange(10, dtype=np.int64), EVAL_PROMPT_REPEATS)
+    _write_jsonl(paths["eval_prompts"], [{"prompt": prompt_for_label(lbl), "label": int(lbl)} for lbl in eval_labels])
+    counts["eval_prompts"] = len(eval_labels)
 
     manifest_tmp = paths["manifest"].with_name("manifest.json.tmp")
     manifest_tmp.write_text(json.dumps({**settings, "counts": counts}, indent=2) + "\n")

@@ -84,7 +84,7 @@ def _read_jsonl(path):
 def test_write_digits_jsonl_records_and_reuse(tmp_path, caplog):
     out = tmp_path / "digits"
     paths = write_digits_jsonl(out, prompt_repeats=3)
-    assert set(paths) == {"train", "heldout", "prompts", "manifest"}
+    assert set(paths) == {"train", "heldout", "prompts", "eval_prompts", "manifest"}
 
     train = _read_jsonl(paths["train"])
     images, labels = load_split("train")
@@ -100,8 +100,12 @@ def test_write_digits_jsonl_records_and_reuse(tmp_path, caplog):
     assert [r["label"] for r in prompts] != sorted(r["label"] for r in prompts)  # shuffled ...
     assert _read_jsonl(write_digits_jsonl(tmp_path / "again", prompt_repeats=3)["prompts"]) == prompts  # ... fixed
 
+    eval_prompts = _read_jsonl(paths["eval_prompts"])
+    assert [r["label"] for r in eval_prompts] == [label for label in range(10) for _ in range(10)]
+    assert all(r["prompt"] == prompt_for_label(r["label"]) for r in eval_prompts)
+
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"] == {"train": 1438, "heldout": 359, "prompts": 30}
+    assert manifest["counts"] == {"train": 1438, "heldout": 359, "prompts": 30, "eval_prompts": 100}
 
     # Complete output is reused untouched; a truncated file or different settings trigger a rewrite.
     mtime = (out / "train.jsonl").stat().st_mtime_ns
