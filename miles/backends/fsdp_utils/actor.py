@@ -1,0 +1,442 @@
+"""``FSDPTrainRayActor``: one data-parallel rank of a trainer group (the actor, the DMD2 critic, ...).
+
+The class is role-agnostic: the group's args (after its ``TrainerConfig`` overrides) say which checkpoint to train,
+which frozen teacher to hold and which hooks carry the algorithm. One rollout's train, per rank::
+
+    shard = ray.get(rollout_box.inner)                       # list[TrainPair], this rank's exact DP split
+    shard = train_input_hook(ctx, shard)                     # optional
+    for window in split(shard, num_steps_per_rollout):       # one optimizer step per window
+        for micro_batch in split(window, micro_batch_size):
+            prepared = prepare_hook(ctx, micro_batch)
+            new_pred = ctx.predict_velocity(models[prepared.component], ...)
+            (loss_hook(ctx, micro_batch, prepared, new_pred=new_pred, metrics=m) / len(window)).backward()
+        clip_grad_norm_; optimizer.step(); scheduler.step()
+    output = train_output_hook(ctx, shard)                   # optional, no grad; handed to later groups
+    return Box(ray.put(output))
+
+The class is a plain Python class; ``RayTrainGroup`` turns it into a Ray actor.
+"""
+
+import logging
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, resolve_dtype
+from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.sleep import SleepController
+from miles.utils.misc import load_function
+from miles.utils.tracking import MetricsTracker
+from miles.utils.types import Box, TrainPair
+
+__all__ = ["FSDPTrainRayActor", "TrainHooks", "load_hooks", "metric_key", "split_windows"]
+
+logger = logging.getLogger(__name__)
+
+# The trainable denoiser's component name: PreparedBatch.component and TrainContext.models use it.
+TRANSFORMER = "transformer"
+
+
+@dataclass
+class TrainHooks:
+    """The hooks of one trainer group, loaded from their dotted paths (see docs/customization.md)."""
+
+    prepare: Callable
+    loss: Callable
+    train_input: Callable | None = None
+    train_output: Callable | None = None
+
+
+def load_hooks(args) -> TrainHooks:
+    """Load ``--custom-{prepare-train-batch,loss-function,train-input-function,train-output-function}-path``.
+
+    Raises:
+        ValueError: if the prepare or loss path is unset (``--loss-type`` fills them for sft_loss and dmd2), or a
+            path does not import (the message names the path and what failed).
+    """
+    for flag, value in (
+        ("--custom-prepare-train-batch-path", args.custom_prepare_train_batch_path),
+        ("--custom-loss-function-path", args.custom_loss_function_path),
+    ):
+        if not value:
+            raise ValueError(f"{flag} is unset; pass a hook path or a --loss-type that fills it (sft_loss, dmd2)")
+    train_input = getattr(args, "custom_train_input_function_path", None)
+    train_output = getattr(args, "custom_train_output_function_path", None)
+    return TrainHooks(
+        prepare=load_function(args.custom_prepare_train_batch_path),
+        loss=load_function(args.custom_loss_function_path),
+        train_input=load_function(train_input) if train_input else None,
+        train_output=load_function(train_output) if train_output else None,
+    )
+
+
+def metric_key(role: str, name: str) -> str:
+    """``train/<name>`` for the actor, ``train/<role>-<name>`` for any other group (upstream log_train_step)."""
+    return f"train/{name}" if role == "actor" else f"train/{role}-{name}"
+
+
+def split_windows(pairs: list, num_windows: int, micro_batch_size: int) -> list[list[list]]:
+    """Split a rank's pairs into ``num_windows`` equal optimizer windows of micro-batches.
+
+    Each window holds ``len(pairs) / num_windows`` pairs in order, cut into micro-batches of ``micro_batch_size``
+    (the last one of a window may be smaller).
+
+    Raises:
+        ValueError: if there are no pairs or they do not split evenly into the windows.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    if not pairs:
+        raise ValueError("this rank's rollout shard is empty; check --rollout-batch-size against the DP size")
+    if len(pairs) % num_windows:
+        raise ValueError(
+            f"{len(pairs)} train pairs per rank do not split into {num_windows} optimizer steps "
+            "(--num-steps-per-rollout, or --dmd2-critic-steps-per-rollout for the critic); make the per-rank pair "
+            "count a multiple of it"
+        )
+    size = len(pairs) // num_windows
+    windows = [pairs[i * size : (i + 1) * size] for i in range(num_windows)]
+    return [[window[j : j + micro_batch_size] for j in range(0, size, micro_batch_size)] for window in windows]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _training_device() -> torch.device:
+    """The CUDA device Ray assigned to this actor, or the CPU on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = 0
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU unless told not to; then find ours among the visible ones.
+    if gpu_ids and gpu_ids[0] in visible:
+        index = visible.index(gpu_ids[0])
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class FSDPTrainRayActor:
+    """One rank of a trainer group. Construct empty; ``init`` does the work (so rank 0 can report its address)."""
+
+    def __init__(self) -> None:
+        self.args = None
+        self.role: str | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def get_master_addr_and_port(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port, for the group's ``init_process_group`` (called on rank 0)."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init(self, args, role: str, master_addr: str, master_port: int, rank: int, world_size: int) -> int:
+        """Join the group's process group, load and shard the models, build the optimizer, resume if asked.
+
+        Args:
+            args: the group's args (``compute_trainer_args(args, trainer)``).
+            role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
+            master_addr, master_port: rank 0's address (``get_master_addr_and_port``).
+            rank, world_size: this rank and the group's data-parallel size.
+
+        Returns:
+            The first rollout id to train: 0, or the loaded checkpoint's id + 1 with ``--load``.
+
+        Raises:
+            ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``
+                (raised on every rank before any collective), or on ``--load`` without a checkpoint.
+        """
+        logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s: %(message)s")
+        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        # Hooks first: a bad path fails on every rank alike, before anyone waits in a collective.
+        self.hooks = load_hooks(args)
+        before = getattr(args, "train_output_before_step", None)
+        if before is not None and not 0 <= before < args.num_steps_per_rollout:
+            raise ValueError(
+                f"train_output_before_step={before} must index one of the {args.num_steps_per_rollout} optimizer "
+                "steps of a rollout"
+            )
+
+        self.device = _training_device()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+        )
+        self.mesh = init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("dp",))
+        torch.manual_seed(args.seed)
+
+        from miles.models import get_model_family
+
+        self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
+        self.dtype = resolve_dtype(args.train_dtype)
+        self.model = load_trainable_denoiser(self.family, args.hf_checkpoint, self.mesh, self.device, self.dtype)
+        self.teacher_models = {}
+        if getattr(args, "teacher_load", None):
+            self.teacher_models[TRANSFORMER] = load_frozen_denoiser(
+                self.family, args.teacher_load, self.mesh, self.device, self.dtype
+            )
+        self.optimizer = build_optimizer([self.model], args)
+        self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
+        self.sleeper = SleepController([self.model, *self.teacher_models.values()], self.optimizer, self.device)
+
+        start_rollout_id = 0
+        if getattr(args, "load", None):
+            start_rollout_id = checkpoint.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler) + 1
+        self.tracker = MetricsTracker(args, job=role) if rank == 0 else None
+        logger.info(
+            "%s rank %d/%d ready on %s, starting at rollout %d", role, rank, world_size, self.device, start_rollout_id
+        )
+        return start_rollout_id
+
+    # -- training ------------------------------------------------------------------------------------------------
+    def _context(self, rollout_id: int, external_data: dict[str, Any], microbatch_id: int) -> TrainContext:
+        return TrainContext(
+            args=self.args,
+            models={TRANSFORMER: self.model},
+            teacher_models=self.teacher_models,
+            external_data=external_data,
+            family=self.family,
+            device=self.device,
+            dtype=self.dtype,
+            rollout_id=rollout_id,
+            microbatch_id=microbatch_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+        )
+
+    def _reshard_all(self) -> None:
+        # Hooks may run any model without grad (the DMD2 scoring, a teacher in prepare); FSDP2 then leaves the root
+        # unsharded. No-op for modules that are already sharded.
+        for model in [self.model, *self.teacher_models.values()]:
+            model.reshard()
+
+    def _check_equal_counts(self, num_pairs: int) -> None:
+        """Every rank must run the same number of micro-batches, or the FSDP collectives would hang."""
+        counts = torch.tensor([num_pairs, -num_pairs], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        largest, smallest = int(counts[0]), -int(counts[1])
+        if largest != smallest:
+            raise ValueError(
+                f"{self.role} ranks hold different numbers of train pairs ({smallest}..{largest}) after the "
+                "train-input hook; the hook must keep every rank's count equal"
+            )
+
+    def train(self, rollout_id: int, rollout_data_ref: Box, external_data: dict[str, Box] | None = None) -> Box:
+        """Train on this rank's shard of one rollout.
+
+        Args:
+            rollout_id: the rollout's id (seeds the hooks' random draws).
+            rollout_data_ref: ``Box(ObjectRef)`` of this rank's ``list[TrainPair]``.
+            external_data: ``{role: Box(ObjectRef)}``, the same-rank train outputs of earlier groups this rollout;
+                exposed to the hooks resolved, as ``ctx.external_data[role]``.
+
+        Returns:
+            ``Box(ray.put(output))``, the train-output hook's value (None without the hook).
+
+        Raises:
+            RuntimeError: if the group is asleep (the driver wakes it before training).
+            ValueError: if the pairs do not split into ``--num-steps-per-rollout`` windows, or ranks disagree on
+                their pair counts (raised on every rank before any model collective).
+        """
+        if self.sleeper.asleep:
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
+        args = self.args
+        pairs: list[TrainPair] = ray.get(rollout_data_ref.inner)
+        external = {role: ray.get(box.inner) for role, box in (external_data or {}).items()}
+        if self.hooks.train_input is not None:
+            pairs = self.hooks.train_input(self._context(rollout_id, external, 0), pairs)
+        self._check_equal_counts(len(pairs))
+        windows = split_windows(pairs, args.num_steps_per_rollout, args.micro_batch_size)
+        micro_batches_per_window = len(windows[0])
+
+        output, output_done = None, self.hooks.train_output is None
+        before = getattr(args, "train_output_before_step", None)
+        for window_index, window in enumerate(windows):
+            if not output_done and before == window_index:
+                output, output_done = self._train_output(rollout_id, external, pairs), True
+            metrics = self._train_window(rollout_id, external, window, window_index * micro_batches_per_window)
+            self._log(rollout_id, metrics)
+        if not output_done:
+            output = self._train_output(rollout_id, external, pairs)
+        return Box(ray.put(output))
+
+    def _train_window(
+        self, rollout_id: int, external: dict[str, Any], micro_batches: list[list[TrainPair]], first_microbatch_id: int
+    ) -> dict[str, float]:
+        """Forward/backward every micro-batch of one window, then one optimizer step. Returns the window's metrics."""
+        window_pairs = sum(len(mb) for mb in micro_batches)
+        hook_metrics: dict[str, list[float]] = {}
+        loss_total = 0.0
+        for j, micro_batch in enumerate(micro_batches):
+            ctx = self._context(rollout_id, external, first_microbatch_id + j)
+            prepared = self.hooks.prepare(ctx, micro_batch)
+            self._reshard_all()
+            if prepared.component not in ctx.models:
+                raise ValueError(
+                    f"prepare hook asked for component {prepared.component!r}; this group trains {sorted(ctx.models)}"
+                )
+            new_pred = ctx.predict_velocity(
+                ctx.models[prepared.component], prepared.latents, prepared.timestep, prepared.cond
+            )
+            loss_sum = self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics)
+            # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
+            (loss_sum / window_pairs).backward()
+            loss_total += float(loss_sum.detach())
+        grad_norm = self._clip_grad_norm()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            "loss": loss_total / window_pairs,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step": self.scheduler.last_epoch,
+        }
+        for name, values in hook_metrics.items():
+            if values:
+                metrics[name] = sum(values) / len(values)
+        return metrics
+
+    def _clip_grad_norm(self) -> float:
+        """Global L2 norm of the gradients (before clipping); clips to ``--clip-grad`` when it is > 0."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        # Sharded grads give a DTensor norm over this rank's shard; full_tensor() reduces it to the global norm.
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        if self.args.clip_grad and self.args.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total_norm)
+        return float(total_norm)
+
+    def _train_output(self, rollout_id: int, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
+        ctx = self._context(rollout_id, external, 0)
+        try:
+            with torch.no_grad():
+                return self.hooks.train_output(ctx, pairs)
+        finally:
+            self._reshard_all()
+
+    def _log(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        """Average ``metrics`` over the DP ranks (every rank calls this) and log them from rank 0."""
+        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, metrics)
+        if self.tracker is None:
+            return
+        names = sorted({name for rank_metrics in gathered for name in rank_metrics})
+        reduced = {}
+        for name in names:
+            values = [rank_metrics[name] for rank_metrics in gathered if name in rank_metrics]
+            reduced[metric_key(self.role, name)] = sum(values) / len(values)
+        self.tracker.log(reduced, rollout_id)
+
+    # -- weights out -----------------------------------------------------------------------------------------------
+    def get_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the trainable denoiser's unsharded state dict on CPU at rank 0, ``{}`` on other ranks."""
+        with self.sleeper.awake():
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.model, options=options)
+
+    def update_weights(self, rollout_manager) -> None:
+        """Collective: gather the full weights; rank 0 hands them to ``rollout_manager.update_weights`` and waits."""
+        state_dict = self.get_full_state_dict()
+        if self.rank == 0:
+            # A top-level ObjectRef argument reaches the manager resolved, read straight from the object store.
+            ray.get(rollout_manager.update_weights.remote(ray.put(state_dict)))
+        dist.barrier()
+
+    def export_hf(self, out_dir: str) -> str:
+        """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
+
+        The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
+        ``save_pretrained`` of an unsharded copy holding the trained weights. Written to a temporary sibling and
+        renamed into place, so a crash never leaves a half-written pipeline at ``out_dir``.
+
+        Returns:
+            ``out_dir``.
+        """
+        state_dict = self.get_full_state_dict()
+        if self.rank == 0:
+            src, out = Path(self.args.hf_checkpoint), Path(out_dir)
+            tmp = out.parent / f".tmp_{out.name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(src, tmp, copy_function=_link_or_copy)
+            model = self.family.load_denoiser(str(src), dtype=torch.float32)
+            model.load_state_dict(state_dict)
+            shutil.rmtree(tmp / TRANSFORMER)
+            model.save_pretrained(tmp / TRANSFORMER)
+            if out.exists():
+                stale = out.parent / f".stale_{out.name}"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.rename(out, stale)
+                os.rename(tmp, out)
+                shutil.rmtree(stale)
+            else:
+                os.rename(tmp, out)
+            logger.info("exported %s pipeline to %s", self.role, out)
+        dist.barrier()
+        return str(out_dir)
+
+    # -- checkpoints and memory ------------------------------------------------------------------------------------
+    def save(self, rollout_id: int, data_state: Any = None) -> str:
+        """Collective: checkpoint this group after ``rollout_id`` into ``--save`` (see ``checkpoint.py``).
+
+        Raises:
+            ValueError: if the group's ``--save`` is unset.
+        """
+        if not self.args.save:
+            raise ValueError(f"{self.role} group has no --save directory; pass --save to checkpoint")
+        with self.sleeper.awake():
+            path = checkpoint.save_checkpoint(
+                self.args.save,
+                rollout_id,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                role=self.role,
+                data_state=data_state,
+            )
+        return str(path)
+
+    def sleep(self) -> None:
+        """Move model shards and optimizer state to the CPU (no-op when asleep)."""
+        self.sleeper.sleep()
+
+    def wake_up(self) -> None:
+        """Move them back to the training device (no-op when awake)."""
+        self.sleeper.wake_up()
+
+    def sleep_state(self) -> str:
+        """``"awake"`` or ``"asleep"``."""
+        return self.sleeper.state
+
+    def shutdown(self) -> None:
+        """Close the tracker and the process group."""
+        if self.tracker is not None:
+            self.tracker.finish()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    # Pipelines hold GBs of text encoders and VAE that the export does not change: hard-link them when possible.
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst

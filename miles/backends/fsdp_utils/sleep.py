@@ -1,0 +1,111 @@
+"""Sleep / wake of a trainer group: move its model shards and optimizer state off the accelerator and back.
+
+Colocated trainer groups and the rollout engine share each device. A group sleeps right after its train so that
+the next user of the device (the other group, the engine) has the memory, and wakes before its next train.
+
+States: ``awake`` (on the training device) ⇄ ``asleep`` (on the CPU). Sleeping while asleep and waking while awake
+are no-ops, so the driver may call them defensively. On a CPU-only machine the training device is the CPU: the
+same transitions run and the tensors stay where they are.
+
+FSDP2 supports ``module.to(device)`` on a ``fully_shard``-ed module: its ``_apply`` reshards first and re-registers
+the moved shards (torch ``FSDPModule._apply``). Optimizer state is a dict of (DTensor) tensors per parameter and is
+moved entry by entry.
+"""
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["AWAKE", "ASLEEP", "SleepController"]
+
+logger = logging.getLogger(__name__)
+
+AWAKE = "awake"
+ASLEEP = "asleep"
+
+
+def _reshard(module: nn.Module) -> None:
+    # A frozen FSDP root stays unsharded after a no_grad forward; moving it then would move full parameters.
+    reshard = getattr(module, "reshard", None)
+    if callable(reshard):
+        reshard()
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # AdamW's "step" is a CPU scalar unless capturable/fused; it must stay where the optimizer expects it.
+            if key == "step":
+                continue
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+class SleepController:
+    """Owns the ``awake``/``asleep`` state of one trainer's models and optimizer.
+
+    Args:
+        models: every module of the trainer (trainable and frozen); each FSDP module is resharded before moving.
+        optimizer: the trainer's optimizer, or None for a group without one.
+        device: the training device (``cuda:<i>`` or ``cpu``).
+        offload_device: where sleeping state lives (the CPU).
+    """
+
+    def __init__(
+        self,
+        models: list[nn.Module],
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        offload_device: str | torch.device = "cpu",
+    ) -> None:
+        self.models = models
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.offload_device = torch.device(offload_device)
+        self.state = AWAKE
+
+    @property
+    def asleep(self) -> bool:
+        return self.state == ASLEEP
+
+    def sleep(self) -> None:
+        """``awake`` → ``asleep``: parameters (resharded first) and optimizer state move to the offload device."""
+        if self.state == ASLEEP:
+            logger.debug("sleep() while asleep: nothing to do")
+            return
+        self._move(self.offload_device)
+        self.state = ASLEEP
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """``asleep`` → ``awake``: everything moves back to the training device."""
+        if self.state == AWAKE:
+            logger.debug("wake_up() while awake: nothing to do")
+            return
+        self._move(self.device)
+        self.state = AWAKE
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """Run a block with the state on the training device, restoring the previous state after it."""
+        was_asleep = self.asleep
+        self.wake_up()
+        try:
+            yield
+        finally:
+            if was_asleep:
+                self.sleep()
+
+    def _move(self, device: torch.device) -> None:
+        for model in self.models:
+            _reshard(model)
+            model.to(device)
+        if self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, device)

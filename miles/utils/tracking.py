@@ -1,0 +1,110 @@
+"""Metrics logging: always a JSONL file in the run directory, plus Weights & Biases with ``--use-wandb``.
+
+Several processes log into one run: the driver (``perf/*``) and rank 0 of every trainer group (``train/*``). Each
+appends whole lines to ``<output_dir>/metrics.jsonl`` (one ``write`` per record, opened in append mode, so lines
+from different processes never interleave). Each process that uses wandb opens its own wandb run, grouped under
+the run directory's name, with ``job_type`` the logging job (``driver``, ``actor``, ``critic``).
+"""
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsTracker", "METRICS_FILE", "read_metrics"]
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _to_number(value: Any) -> Any:
+    """Tensors and numpy scalars become python floats; NaN/inf become strings so the line stays valid JSON."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsTracker:
+    """One process's metrics writer.
+
+    Args:
+        args: reads ``output_dir``, ``use_wandb``, ``wandb_project`` and ``wandb_mode`` (``"offline"`` unless the
+            user asks for ``"online"``).
+        job: who logs, e.g. ``"driver"`` or a trainer role; written into every record and the wandb ``job_type``.
+
+    Each record is ``{"job": job, "rollout_id": step, "time": unix seconds, **metrics}``.
+    """
+
+    def __init__(self, args, job: str) -> None:
+        self.job = job
+        self.path = Path(args.output_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb_run = None
+        if getattr(args, "use_wandb", False):
+            self._wandb_run = self._init_wandb(args, job)
+
+    @staticmethod
+    def _init_wandb(args, job: str):
+        import wandb
+
+        mode = getattr(args, "wandb_mode", "offline") or "offline"
+        run = wandb.init(
+            project=getattr(args, "wandb_project", "miles"),
+            group=Path(args.output_dir).resolve().name,
+            job_type=job,
+            name=f"{Path(args.output_dir).resolve().name}-{job}",
+            dir=str(args.output_dir),
+            mode=mode,
+            config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            reinit="create_new",
+        )
+        # Several optimizer windows log per rollout; key every chart on the rollout id rather than wandb's counter.
+        run.define_metric("rollout_id")
+        run.define_metric("*", step_metric="rollout_id")
+        return run
+
+    def log(self, metrics: dict[str, Any], rollout_id: int) -> None:
+        """Append one record for ``rollout_id``; values may be floats, ints or 0-d tensors."""
+        record = {"job": self.job, "rollout_id": int(rollout_id), "time": round(time.time(), 3)}
+        record.update({key: _to_number(value) for key, value in metrics.items()})
+        line = json.dumps(record) + "\n"
+        # One os.write on an O_APPEND descriptor: concurrent writers append whole lines.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        if self._wandb_run is not None:
+            self._wandb_run.log({key: value for key, value in record.items() if key not in ("job", "time")})
+        # The driver's timers every rollout would drown the tqdm bar; train metrics stay visible.
+        level = logging.DEBUG if self.job == "driver" else logging.INFO
+        logger.log(level, "%s rollout %d: %s", self.job, rollout_id, _format(metrics))
+
+    def finish(self) -> None:
+        """Close the wandb run, if any (the JSONL file needs no closing)."""
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+def _format(metrics: dict[str, Any]) -> str:
+    parts = []
+    for key, value in metrics.items():
+        value = _to_number(value)
+        parts.append(f"{key}={value:.6g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(parts)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``<output_dir>/metrics.jsonl`` in file order (``[]`` when the file does not exist)."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

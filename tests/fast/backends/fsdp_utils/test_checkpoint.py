@@ -1,0 +1,150 @@
+"""DCP checkpoints of a sharded digits denoiser: round trip, atomic layout, latest pointer, clear errors."""
+
+import json
+import random
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainer_support import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group  # noqa: E402
+
+from miles.backends.fsdp_utils import checkpoint  # noqa: E402
+from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
+from miles.models import get_model_family  # noqa: E402
+
+OPT_ARGS = SimpleNamespace(
+    lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
+    min_lr=0.0, lr_warmup_steps=2, lr_decay_style="cosine",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    pipeline = make_pipeline(tmp_path_factory.mktemp("digits"))
+    with single_process_group() as mesh:
+        yield SimpleNamespace(pipeline=pipeline, family=get_model_family(pipeline), mesh=mesh)
+
+
+def _trainer(setup, steps: int):
+    model = sharded_denoiser(setup.family, setup.pipeline, setup.mesh)
+    optimizer = build_optimizer([model], OPT_ARGS)
+    scheduler = build_lr_scheduler(optimizer, OPT_ARGS, total_steps=10)
+    for step in range(steps):
+        denoiser_loss(setup.family, model, seed=step).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model, optimizer, scheduler
+
+
+def _local(model):
+    return {name: p.detach().to_local().clone() for name, p in model.named_parameters()}
+
+
+def test_round_trip_restores_model_optimizer_scheduler_rng(setup, tmp_path):
+    model, optimizer, scheduler = _trainer(setup, steps=3)
+    path = checkpoint.save_checkpoint(tmp_path, 4, model, optimizer, scheduler, role="critic", data_state={"epoch": 2})
+
+    assert path == tmp_path / "rollout_4"
+    assert (tmp_path / "latest").read_text() == "4\n"
+    assert sorted(p.name for p in path.iterdir()) == ["data_state.pt", "dcp", "metadata.json", "rank_0.pt"]
+    metadata = json.loads((path / "metadata.json").read_text())
+    assert metadata["rollout_id"] == 4 and metadata["role"] == "critic" and metadata["world_size"] == 1
+    assert not list(tmp_path.glob(".tmp*"))
+    assert checkpoint.read_data_state(tmp_path) == (4, {"epoch": 2})
+
+    fresh_model, fresh_opt, fresh_sched = _trainer(setup, steps=0)
+    assert checkpoint.load_checkpoint(tmp_path, fresh_model, fresh_opt, fresh_sched) == 4
+    for name, value in _local(model).items():
+        assert torch.equal(_local(fresh_model)[name], value), name
+    assert fresh_sched.last_epoch == scheduler.last_epoch == 3
+    assert fresh_sched.get_last_lr() == scheduler.get_last_lr()
+    # The next step from the loaded state equals the next step of the original.
+    for m, o, s in ((model, optimizer, scheduler), (fresh_model, fresh_opt, fresh_sched)):
+        denoiser_loss(setup.family, m, seed=99).backward()
+        o.step()
+        s.step()
+    for name, value in _local(model).items():
+        assert torch.equal(_local(fresh_model)[name], value), name
+
+
+def test_rng_state_is_restored(setup, tmp_path):
+    model, optimizer, scheduler = _trainer(setup, steps=1)
+    torch.manual_seed(11)
+    random.seed(11)
+    checkpoint.save_checkpoint(tmp_path, 0, model, optimizer, scheduler, role="actor")
+    expected = (torch.rand(4), random.random())
+    torch.manual_seed(12345)
+    random.seed(12345)
+    checkpoint.load_checkpoint(tmp_path, *_trainer(setup, steps=0))
+    assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
+
+
+def test_latest_pointer_ignores_incomplete_saves_and_failed_save_keeps_good_one(setup, tmp_path):
+    model, optimizer, scheduler = _trainer(setup, steps=1)
+    checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, scheduler, role="actor")
+    checkpoint.save_checkpoint(tmp_path, 3, model, optimizer, scheduler, role="actor")
+    assert checkpoint.read_latest(tmp_path) == 3
+    good = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "rollout_3").rglob("*"))
+
+    # A save that fails midway (an unpicklable data cursor) leaves `latest` and rollout_3 as they were.
+    with pytest.raises(TypeError, match="cannot pickle"):
+        checkpoint.save_checkpoint(
+            tmp_path, 5, model, optimizer, scheduler, role="actor", data_state={"lock": threading.Lock()}
+        )
+    assert checkpoint.read_latest(tmp_path) == 3
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "rollout_3").rglob("*")) == good
+    assert not (tmp_path / "rollout_5").exists()
+    assert checkpoint.load_checkpoint(tmp_path, *_trainer(setup, steps=0)) == 3
+
+    # A crash between the rename and `latest` leaves an unpointed rollout_5; saving 5 again replaces it.
+    (tmp_path / "rollout_5").mkdir()
+    (tmp_path / "rollout_5" / "junk").write_text("partial")
+    checkpoint.save_checkpoint(tmp_path, 5, model, optimizer, scheduler, role="actor")
+    assert checkpoint.read_latest(tmp_path) == 5
+    assert not (tmp_path / "rollout_5" / "junk").exists()
+    assert not list(tmp_path.glob(".tmp*")) and not list(tmp_path.glob(".stale*"))
+
+
+def test_missing_and_corrupt_checkpoints_fail_clearly(setup, tmp_path):
+    model, optimizer, scheduler = _trainer(setup, steps=1)
+    with pytest.raises(ValueError, match=r"--load .*nope: no such directory"):
+        checkpoint.load_checkpoint(tmp_path / "nope", model, optimizer, scheduler)
+    with pytest.raises(ValueError, match="no 'latest' file"):
+        checkpoint.load_checkpoint(tmp_path, model, optimizer, scheduler)
+
+    checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, scheduler, role="actor")
+    (tmp_path / "latest").write_text("two\n")
+    with pytest.raises(RuntimeError, match="holds 'two', not a rollout id"):
+        checkpoint.read_latest(tmp_path)
+    (tmp_path / "latest").write_text("7\n")
+    with pytest.raises(RuntimeError, match="names rollout 7 but .*rollout_7 is missing"):
+        checkpoint.load_checkpoint(tmp_path, model, optimizer, scheduler)
+    (tmp_path / "latest").write_text("2\n")
+    (tmp_path / "rollout_2" / "dcp" / ".metadata").unlink()
+    with pytest.raises(RuntimeError, match="incomplete or corrupt: dcp/.metadata is missing"):
+        checkpoint.load_checkpoint(tmp_path, model, optimizer, scheduler)
+    (tmp_path / "rollout_2" / "metadata.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="cannot read metadata.json"):
+        checkpoint.read_data_state(tmp_path)
+
+
+def test_checkpoint_of_another_architecture_is_rejected(setup, tmp_path):
+    model, optimizer, scheduler = _trainer(setup, steps=1)
+    checkpoint.save_checkpoint(tmp_path / "ckpt", 0, model, optimizer, scheduler, role="actor")
+    other_pipeline = make_pipeline(tmp_path / "wide")
+    config = json.loads((other_pipeline / "transformer" / "config.json").read_text())
+    shutil.rmtree(other_pipeline)
+    from miles.models.digits import init_digits_pipeline
+
+    init_digits_pipeline(other_pipeline, num_layers=config["num_layers"], attention_head_dim=16)
+    other = SimpleNamespace(pipeline=other_pipeline, family=setup.family, mesh=setup.mesh)
+    with pytest.raises(RuntimeError, match="does not fit this model: .*Size mismatch"):
+        checkpoint.load_checkpoint(tmp_path / "ckpt", *_trainer(other, steps=0))

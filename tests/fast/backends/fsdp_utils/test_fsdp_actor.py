@@ -1,0 +1,239 @@
+"""FSDPTrainRayActor on CPU: real Ray, real gloo, real FSDP2, the digits pipeline and the real SFT hooks."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainer_support import SFT_LOSS, SFT_PREPARE, digits_pairs, make_args, make_pipeline, ray_session  # noqa: E402
+
+from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_windows  # noqa: E402
+from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula  # noqa: E402
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext  # noqa: E402
+from miles.backends.fsdp_utils.optimizer import lr_factor  # noqa: E402
+from miles.eval.digits_data import write_digits_jsonl  # noqa: E402
+from miles.models import get_model_family  # noqa: E402
+from miles.ray.actor_group import RayTrainGroup  # noqa: E402
+from miles.ray.rollout import RayRolloutManager  # noqa: E402
+from miles.utils.tracking import read_metrics  # noqa: E402
+from miles.utils.types import Box  # noqa: E402
+
+WORLD = 2
+PAIRS_PER_RANK = 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    with ray_session(num_cpus=4):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return make_pipeline(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="module")
+def family(pipeline):
+    return get_model_family(pipeline)
+
+
+def _spawn(args, role="actor"):
+    pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
+    ray.get(pg.ready())
+    group = RayTrainGroup(args, role, 1, WORLD, (pg, list(range(WORLD))), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
+    starts = ray.get(group.async_init())
+    return group, pg, starts
+
+
+def _teardown(group, pg):
+    group.shutdown()
+    ray.util.remove_placement_group(pg)
+
+
+def _boxes(family, rollout_id):
+    pairs = digits_pairs(family, rollout_id, WORLD * PAIRS_PER_RANK)
+    shards = [pairs[r * PAIRS_PER_RANK : (r + 1) * PAIRS_PER_RANK] for r in range(WORLD)]
+    return pairs, [Box(ray.put(shard)) for shard in shards]
+
+
+def _reference_step(args, family, pipeline, rollout_id, shards):
+    """One process, no FSDP: the same hooks per (rank, micro-batch), summed loss / all pairs, clip, AdamW."""
+    model = family.load_denoiser(pipeline).train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0
+    )
+    losses = []
+    for window in range(args.num_steps_per_rollout):
+        total_pairs, window_loss = 0, 0.0
+        for rank, shard in enumerate(shards):
+            size = len(shard) // args.num_steps_per_rollout
+            pairs = shard[window * size : (window + 1) * size]
+            total_pairs += len(pairs)
+            mbs = [pairs[j : j + args.micro_batch_size] for j in range(0, len(pairs), args.micro_batch_size)]
+            for j, mb in enumerate(mbs):
+                ctx = TrainContext(
+                    args=args, models={"transformer": model}, teacher_models={}, external_data={}, family=family,
+                    device=torch.device("cpu"), dtype=torch.float32, rollout_id=rollout_id,
+                    microbatch_id=window * len(mbs) + j, dp_rank=rank, dp_size=len(shards),
+                )  # fmt: skip
+                prepared = prepare_sft_batch(ctx, mb)
+                pred = ctx.predict_velocity(model, prepared.latents, prepared.timestep, prepared.cond)
+                loss = sft_loss_formula(ctx, mb, prepared, new_pred=pred, metrics={})
+                (loss / (len(pairs) * len(shards))).backward()
+                window_loss += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        opt.step()
+        opt.zero_grad()
+        losses.append(window_loss / total_pairs)
+    return model.state_dict(), losses
+
+
+def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family, tmp_path):
+    args = make_args(pipeline, tmp_path, num_steps_per_rollout=2)
+    group, pg, starts = _spawn(args)
+    try:
+        assert starts == [0, 0]
+        pairs, boxes = _boxes(family, rollout_id=0)
+        outs = ray.get(group.async_train(0, boxes))
+        assert all(isinstance(out, Box) and ray.get(out.inner) is None for out in outs)
+        trained = ray.get(group.async_get_full_state_dict())[0]
+
+        # The gathered weights reach a real engine: its samples change from the initial student's.
+        prompts = write_digits_jsonl(tmp_path / "data", prompt_repeats=1)["prompts"]
+        engine_args = make_args(pipeline, tmp_path, train_only=False, prompt_data=prompts)
+        manager = RayRolloutManager.options(num_cpus=0.2).remote(engine_args, WORLD)
+        before = ray.get(manager.evaluate.remote(["a handwritten digit 3"] * 2, [0, 1]))
+        ray.get(group.async_update_weights(manager))
+        after = ray.get(manager.evaluate.remote(["a handwritten digit 3"] * 2, [0, 1]))
+        assert before.shape == after.shape == (2, 8, 8, 1) and not torch.equal(before, after)
+        ray.kill(manager)
+    finally:
+        _teardown(group, pg)
+
+    shards = [pairs[r * PAIRS_PER_RANK : (r + 1) * PAIRS_PER_RANK] for r in range(WORLD)]
+    expected, ref_losses = _reference_step(args, family, pipeline, 0, shards)
+    assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    records = [r for r in read_metrics(args.output_dir) if r["job"] == "actor"]
+    assert [r["rollout_id"] for r in records] == [0, 0]  # one record per optimizer window
+    assert [r["train/loss"] for r in records] == pytest.approx(ref_losses, abs=1e-6)
+    assert {"train/grad_norm", "train/lr", "train/sft_loss", "train/step"} <= records[0].keys()
+    assert records[0]["train/lr"] == pytest.approx(1e-3)
+
+
+def test_resume_reproduces_losses_and_weights(ray_cluster, pipeline, family, tmp_path):
+    save = tmp_path / "ckpt"
+    full = make_args(pipeline, tmp_path / "full", save=str(save))
+    group, pg, _ = _spawn(full)
+    try:
+        for rollout_id in range(4):
+            ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+            if rollout_id == 1:
+                ray.get(group.async_save(rollout_id, {"cursor": 16}))
+        weights_full = ray.get(group.async_get_full_state_dict())[0]
+    finally:
+        _teardown(group, pg)
+    assert (save / "latest").read_text().strip() == "1"
+
+    resumed = make_args(pipeline, tmp_path / "resumed", load=str(save))
+    group, pg, starts = _spawn(resumed)
+    try:
+        assert starts == [2, 2]
+        for rollout_id in range(2, 4):
+            ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+        weights_resumed = ray.get(group.async_get_full_state_dict())[0]
+    finally:
+        _teardown(group, pg)
+
+    def losses(args):
+        return {r["rollout_id"]: r["train/loss"] for r in read_metrics(args.output_dir) if r["job"] == "actor"}
+
+    assert losses(resumed) == {2: losses(full)[2], 3: losses(full)[3]}  # exact, not approx
+    for name, value in weights_full.items():
+        assert torch.equal(weights_resumed[name], value), name
+
+
+def test_sleep_wake_and_bad_inputs(ray_cluster, pipeline, family, tmp_path):
+    args = make_args(pipeline, tmp_path, custom_train_input_function_path="trainer_support.drop_pairs_on_rank1")
+    group, pg, _ = _spawn(args, role="critic")
+    try:
+        before = ray.get(group.async_get_full_state_dict())[0]
+        ray.get(group.async_sleep())
+        assert ray.get(group.async_sleep_state()) == ["asleep", "asleep"]
+        with pytest.raises(ray.exceptions.RayTaskError, match="asleep; call wake_up"):
+            ray.get(group.async_train(0, _boxes(family, 0)[1]))
+        ray.get(group.async_wake_up())
+        assert ray.get(group.async_sleep_state()) == ["awake", "awake"]
+        after = ray.get(group.async_get_full_state_dict())[0]
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        # Rank 1's hook drops a pair: every rank raises before any model collective, nothing hangs.
+        with pytest.raises(ray.exceptions.RayTaskError, match="different numbers of train pairs"):
+            ray.get(group.async_train(0, _boxes(family, 0)[1]))
+    finally:
+        _teardown(group, pg)
+
+
+def test_bad_hook_path_fails_at_init(ray_cluster, pipeline, tmp_path):
+    args = make_args(pipeline, tmp_path, custom_loss_function_path="miles.no_such_module.loss")
+    pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
+    ray.get(pg.ready())
+    group = RayTrainGroup(args, "actor", 1, WORLD, (pg, [0, 1]), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="miles.no_such_module.loss.*cannot import module"):
+            ray.get(group.async_init())
+    finally:
+        for actor in group.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(pg)
+
+
+# -- in-process pieces --------------------------------------------------------------------------------------------
+def test_load_hooks_by_path_and_unset_paths():
+    args = SimpleNamespace(
+        custom_prepare_train_batch_path=SFT_PREPARE,
+        custom_loss_function_path=SFT_LOSS,
+        custom_train_input_function_path=None,
+        custom_train_output_function_path="miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0",
+    )
+    hooks = load_hooks(args)
+    assert hooks.prepare is prepare_sft_batch and hooks.loss is sft_loss_formula and hooks.train_input is None
+    assert hooks.train_output.__name__ == "predict_teacher_and_critic_x0"
+    args.custom_loss_function_path = None
+    with pytest.raises(ValueError, match="--custom-loss-function-path is unset"):
+        load_hooks(args)
+    args.custom_loss_function_path = "miles.backends.fsdp_utils.loss_hub.sft.no_such_fn"
+    with pytest.raises(ValueError, match="has no attribute 'no_such_fn'"):
+        load_hooks(args)
+
+
+def test_split_windows_even_and_uneven():
+    pairs = list(range(12))
+    assert split_windows(pairs, 3, 3) == [[[0, 1, 2], [3]], [[4, 5, 6], [7]], [[8, 9, 10], [11]]]
+    assert split_windows(pairs, 1, 12) == [[pairs]]
+    with pytest.raises(ValueError, match="12 train pairs per rank do not split into 5 optimizer steps"):
+        split_windows(pairs, 5, 1)
+    with pytest.raises(ValueError, match="shard is empty"):
+        split_windows([], 1, 1)
+
+
+def test_metric_keys_carry_non_actor_roles():
+    assert metric_key("actor", "loss") == "train/loss"
+    assert metric_key("critic", "grad_norm") == "train/critic-grad_norm"
+
+
+def test_lr_schedule_warmup_constant_cosine():
+    common = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=6)
+    assert [lr_factor(s, decay_style="constant", **common) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [1e-3 * lr_factor(s, decay_style="cosine", **common) for s in range(8)]
+    # after warmup: min + (max - min)(1 + cos(pi p))/2 with p = (s - 2)/4, clamped at p = 1
+    expected = [5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 + 2**-0.5) / 2, 5.5e-4, 1e-4 + 9e-4 * (1 - 2**-0.5) / 2, 1e-4, 1e-4]
+    assert cosine == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="--lr-decay-style 'linear'"):
+        lr_factor(0, decay_style="linear", **common)

@@ -1,0 +1,138 @@
+"""The sync driver: dry run, the hand-off between trainer groups, and SFT on real digits through the CLI."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# trainer_support lives next to this file; train_diffusion.py is a script at the repository root.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
+
+from trainer_support import TESTS_FAST, make_args, make_pipeline, ray_session  # noqa: E402
+
+import train_diffusion  # noqa: E402
+from miles.eval.digits_data import write_digits_jsonl  # noqa: E402
+from miles.utils.tracking import MetricsTracker, read_metrics  # noqa: E402
+
+REPO = TESTS_FAST.parents[1]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return make_pipeline(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return Path(write_digits_jsonl(tmp_path_factory.mktemp("data"), prompt_repeats=1)["train"])
+
+
+def _cli(pipeline, data, run_dir, *extra):
+    return [
+        "--loss-type", "sft_loss", "--train-only", "--hf-checkpoint", str(pipeline), "--prompt-data", str(data),
+        "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3",
+        "--output-dir", str(run_dir), *extra,
+    ]  # fmt: skip
+
+
+def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, tmp_path, caplog):
+    import ray
+
+    argv = _cli(pipeline, data, tmp_path / "run", "--num-rollout", "5", "--save", str(tmp_path / "ckpt"))
+    with caplog.at_level(logging.INFO, logger="train_diffusion"):
+        train_diffusion.main([*argv, "--save-interval", "2", "--dry-run"])
+    text = caplog.text
+    assert not ray.is_initialized()
+    assert "placement: 2 bundles of {'CPU': 1}" in text
+    assert "group actor: overrides {}" in text and "sft.prepare_sft_batch" in text
+    assert "schedule: rollouts 0..4" in text and "saves after rollouts [1, 3, 4]" in text
+
+
+def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(pipeline, data, tmp_path):
+    import ray
+
+    from miles.ray.actor_group import RayTrainGroup
+    from miles.ray.placement_group import create_placement_groups, create_rollout_manager, trainer_resources
+
+    args = make_args(pipeline, tmp_path, prompt_data=str(data), num_rollout=2)
+    first_args = make_args(
+        pipeline,
+        tmp_path,
+        prompt_data=str(data),
+        custom_train_input_function_path="trainer_support.record_input_first",
+        custom_train_output_function_path="trainer_support.echo_output",
+    )
+    second_args = make_args(
+        pipeline,
+        tmp_path,
+        prompt_data=str(data),
+        custom_train_input_function_path="trainer_support.record_input_second",
+    )
+    with ray_session(num_cpus=4):
+        pgs = create_placement_groups(args)
+        manager = create_rollout_manager(args, pgs)
+        gpus, cpus = trainer_resources(2, True, False)
+        groups = {
+            role: RayTrainGroup(group_args, role, 1, 2, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
+            for role, group_args in (("first", first_args), ("second", second_args))
+        }
+        ray.get([ref for group in groups.values() for ref in group.async_init()])
+        train_diffusion.run_rollouts(args, manager, groups, 0, MetricsTracker(args, job="driver"))
+        # Two groups share the devices: each sleeps right after its train.
+        assert ray.get(groups["first"].async_sleep_state()) == ["asleep", "asleep"]
+
+    with open(Path(args.output_dir) / "handoff.jsonl") as f:
+        records = sorted((json.loads(line) for line in f), key=lambda r: (r["rollout_id"], r["group"], r["dp_rank"]))
+    assert [(r["rollout_id"], r["group"], r["dp_rank"]) for r in records] == [
+        (rollout, group, rank) for rollout in (0, 1) for group in ("first", "second") for rank in (0, 1)
+    ]
+    for record in records:
+        if record["group"] == "first":
+            assert record["external"] == {}
+        else:
+            handed = record["external"]["first"]
+            assert (handed["rollout_id"], handed["dp_rank"]) == (record["rollout_id"], record["dp_rank"])
+            assert handed["sample_indices"] == [4 * record["dp_rank"] + i for i in range(4)]
+            assert handed["external"] == {}
+    perf = [r for r in read_metrics(args.output_dir) if r["job"] == "driver"]
+    assert [r["rollout_id"] for r in perf] == [0, 1]
+    assert {"perf/rollout_time", "perf/first_train_time", "perf/second_train_time", "perf/step_time"} <= perf[0].keys()
+    assert {r["job"] for r in read_metrics(args.output_dir)} == {"driver", "first", "second"}
+
+
+def _run(argv, run_dir):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS_FAST)}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train_diffusion.py"), *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["rollout_id"]: r for r in read_metrics(run_dir) if r["job"] == "actor"}
+
+
+def test_cli_sft_on_digits_saves_exports_and_resumes_exactly(pipeline, data, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    save, export = tmp_path / "ckpt", tmp_path / "student"
+    extra = ["--num-rollout", "4", "--save", str(save), "--save-interval", "2", "--save-hf", str(export)]
+    full = _run(_cli(pipeline, data, tmp_path / "full", *extra), tmp_path / "full")
+    assert sorted(full) == [0, 1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in full.values())
+    assert (save / "latest").read_text().strip() == "3" and (save / "rollout_1").is_dir()
+    exported = SD3Transformer2DModel.from_pretrained(export / "transformer")
+    initial = SD3Transformer2DModel.from_pretrained(pipeline / "transformer")
+    assert (export / "model_index.json").read_text() == (pipeline / "model_index.json").read_text()
+    assert not torch.equal(exported.proj_out.weight, initial.proj_out.weight)
+
+    # Resume from the rollout-1 checkpoint: rollouts 2 and 3 (data cursor included) repeat exactly.
+    (save / "latest").write_text("1\n")
+    resumed = _run(_cli(pipeline, data, tmp_path / "resumed", "--num-rollout", "4", "--load", str(save)),
+                   tmp_path / "resumed")  # fmt: skip
+    assert sorted(resumed) == [2, 3]
+    for rollout_id in (2, 3):
+        assert resumed[rollout_id]["train/loss"] == full[rollout_id]["train/loss"]
+        assert resumed[rollout_id]["train/grad_norm"] == full[rollout_id]["train/grad_norm"]

@@ -1,0 +1,175 @@
+"""Shared pieces of the trainer tests: a Ray session, a digits pipeline, real train pairs, and test hooks.
+
+The hooks below are loaded by dotted path (``trainer_support.echo_output``) inside Ray workers, which find this
+module through the ``PYTHONPATH`` that :func:`ray_session` gives them.
+"""
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from miles.utils.misc import make_generator
+from miles.utils.types import TrainPair
+
+TESTS_FAST = Path(__file__).resolve().parent
+SFT_PREPARE = "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
+SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
+TEXT_LEN, TEXT_DIM = 16, 384
+
+
+@contextmanager
+def ray_session(num_cpus: int = 4):
+    """One local Ray cluster (no dashboard, private temp dir); workers can import this module."""
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Unix socket paths are limited to ~107 bytes: keep the temp dir short.
+    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
+    pythonpath = os.pathsep.join(p for p in (str(TESTS_FAST), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def make_pipeline(out_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer digits pipeline (patch 2, 4 heads × 8): ~0.1M parameters, fast on CPU."""
+    from miles.models.digits import init_digits_pipeline
+
+    return init_digits_pipeline(out_dir, seed=seed, num_layers=2, attention_head_dim=8)
+
+
+def make_args(pipeline: Path, run_dir: Path, *extra: str, train_only: bool = True, **overrides):
+    """Real parsed args for an SFT trainer group of 2 CPU ranks; ``overrides`` are set on the result."""
+    from miles.utils.arguments import parse_args
+
+    argv = [
+        *(["--train-only"] if train_only else []),
+        "--hf-checkpoint", str(pipeline),
+        "--prompt-data", str(run_dir / "data.jsonl"),
+        "--actor-num-gpus-per-node", "2",
+        "--rollout-batch-size", "8",
+        "--num-rollout", "4",
+        "--micro-batch-size", "2",
+        "--lr", "1e-3",
+        "--output-dir", str(run_dir / "out"),
+        *extra,
+    ]  # fmt: skip
+    if "--loss-type" not in extra:
+        argv += ["--loss-type", "sft_loss"]
+    args = parse_args(argv)
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def digits_pairs(family, rollout_id: int, count: int) -> list[TrainPair]:
+    """``count`` SFT pairs of real sklearn digits (a different slice per rollout) with seeded cond tensors."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    start = (rollout_id * count) % (len(digits.images) - count)
+    images = np.floor(digits.images[start : start + count] * (255.0 / 16.0) + 0.5).astype(np.uint8)
+    latents = family.images_to_latents(torch.from_numpy(images))
+    pairs = []
+    for i in range(count):
+        gen = make_generator("test_cond", int(digits.target[start + i]))
+        cond = {
+            "encoder_hidden_states": torch.randn(TEXT_LEN, TEXT_DIM, generator=gen),
+            "pooled_projections": torch.randn(TEXT_DIM, generator=gen),
+        }
+        pairs.append(TrainPair(sample_index=i, x0=latents[i], pos_cond=cond))
+    return pairs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- hooks loaded by path in the Ray workers ------------------------------------------------------------------------
+def echo_output(ctx, train_pairs):
+    """Train-output hook: what this rank trained on and what it received from earlier groups."""
+    return {
+        "rollout_id": ctx.rollout_id,
+        "dp_rank": ctx.dp_rank,
+        "sample_indices": [pair.sample_index for pair in train_pairs],
+        "external": ctx.external_data,
+    }
+
+
+def _record(ctx, train_pairs, name: str):
+    record = {
+        "group": name,
+        "rollout_id": ctx.rollout_id,
+        "dp_rank": ctx.dp_rank,
+        "external": {role: value for role, value in ctx.external_data.items()},
+    }
+    with open(Path(ctx.args.output_dir) / "handoff.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return train_pairs
+
+
+def record_input_first(ctx, train_pairs):
+    """Train-input hook of the driver test's first group: log what it received."""
+    return _record(ctx, train_pairs, "first")
+
+
+def record_input_second(ctx, train_pairs):
+    """Train-input hook of the driver test's second group: log what it received."""
+    return _record(ctx, train_pairs, "second")
+
+
+def drop_pairs_on_rank1(ctx, train_pairs):
+    """Train-input hook that breaks the equal-count rule: rank 1 loses a pair."""
+    return train_pairs[:-1] if ctx.dp_rank == 1 else train_pairs
+
+
+@contextmanager
+def single_process_group():
+    """A 1-rank gloo process group and ``"cpu"`` device mesh in this process (FSDP2 and DCP need one)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_denoiser(family, pipeline: Path, mesh, trainable: bool = True):
+    """The pipeline's denoiser, fully_shard-ed per block and root like the trainer does it."""
+    from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser
+
+    load = load_trainable_denoiser if trainable else load_frozen_denoiser
+    return load(family, str(pipeline), mesh, torch.device("cpu"), torch.float32)
+
+
+def denoiser_loss(family, model, seed: int) -> torch.Tensor:
+    """A real forward of ``model`` on seeded inputs: mean squared velocity, a scalar to backprop."""
+    gen = make_generator("test_forward", seed)
+    latents = torch.randn(2, 1, 8, 8, generator=gen)
+    cond = {
+        "encoder_hidden_states": torch.randn(2, TEXT_LEN, TEXT_DIM, generator=gen),
+        "pooled_projections": torch.randn(2, TEXT_DIM, generator=gen),
+    }
+    timestep = torch.tensor([250.0, 750.0])
+    return family.predict_velocity(model, latents, timestep, cond).pow(2).mean()

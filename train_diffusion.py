@@ -1,0 +1,224 @@
+"""The sync driver: one process that runs the rollouts and trains the trainer groups in order.
+
+Per rollout (DESIGN.md §2)::
+
+    refs = rollout_manager.generate(rollout_id)                    # one Box per DP rank
+    for role, group in groups:                                     # dmd2: critic, then actor
+        outs[role] = group.train(rollout_id, refs, external_data=outs so far)   # rank i gets rank i's boxes
+        actor: push weights to the engine (unless --train-only); colocated groups sleep right after their train
+    evaluate / save periodically
+
+Train the bundled digits pipeline with SFT on 2 CPU ranks::
+
+    python -m miles.models.digits init /tmp/digits
+    python -m miles.eval.digits_data /tmp/digits_data
+    python train_diffusion.py --loss-type sft_loss --train-only --hf-checkpoint /tmp/digits \\
+        --prompt-data /tmp/digits_data/train.jsonl --actor-num-gpus-per-node 2 --rollout-batch-size 32 \\
+        --micro-batch-size 16 --num-rollout 150 --lr 1e-3 --save /tmp/ckpt --save-interval 50 \\
+        --output-dir outputs/digits_sft
+
+Add ``--load /tmp/ckpt`` to resume at the rollout after the newest checkpoint.
+"""
+
+import logging
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+from tqdm import trange
+
+logger = logging.getLogger("train_diffusion")
+
+
+@contextmanager
+def _timer(metrics: dict[str, float], key: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = time.perf_counter() - start
+
+
+def needs_sleep(args, num_groups: int) -> bool:
+    """Groups sleep between trains when something else uses their device: another group or the colocated engine."""
+    return num_groups > 1 or (not args.rollout_num_gpus and not args.train_only)
+
+
+def should_save(args, rollout_id: int) -> bool:
+    """Save at every ``--save-interval`` rollouts and after the last one (with ``--save``)."""
+    if not args.save:
+        return False
+    last = rollout_id == args.num_rollout - 1
+    return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+
+
+def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
+    """Evaluation call site (every ``--eval-interval`` rollouts and after the last): eval media and metrics.
+
+    Not implemented by the trainer issue; the evaluation issue fills this in.
+    """
+    return None
+
+
+def log_plan(args) -> None:
+    """``--dry-run``: log the trainer groups, their placement and the schedule, without starting Ray."""
+    import torch
+
+    from miles.ray.placement_group import engine_colocated, rollout_resources, trainer_resources
+    from miles.utils.trainer_config import compute_trainer_args, compute_trainer_configs
+
+    configs = compute_trainer_configs(args)
+    use_gpu = torch.cuda.is_available()
+    ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
+    gpus, cpus = trainer_resources(len(configs), engine_colocated(args), use_gpu)
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    logger.info(
+        "placement: %d bundles of %s (one per DP rank); each rank of each group takes GPU %.2f CPU %.2f",
+        ranks,
+        bundle,
+        gpus,
+        cpus,
+    )
+    r_gpus, r_cpus = rollout_resources(engine_colocated(args), use_gpu)
+    where = "colocated on bundle 0" if engine_colocated(args) else f"own {args.rollout_num_gpus} bundles"
+    logger.info(
+        "rollout manager: %s, GPU %.2f CPU %.2f, engine %s",
+        where,
+        r_gpus,
+        r_cpus,
+        "off (--train-only)" if args.train_only else "on",
+    )
+    for config in configs:
+        group_args = compute_trainer_args(args, config)
+        hooks = {
+            name: getattr(group_args, f"custom_{name}_path", None)
+            for name in ("train_input_function", "prepare_train_batch", "loss_function", "train_output_function")
+        }
+        logger.info(
+            "group %s: overrides %s; init %s, teacher %s, lr %g, %d optimizer steps per rollout; hooks %s",
+            config.role,
+            config.overrides,
+            group_args.hf_checkpoint,
+            group_args.teacher_load,
+            group_args.lr,
+            group_args.num_steps_per_rollout,
+            hooks,
+        )
+    start = 0
+    if args.load:
+        from miles.backends.fsdp_utils.checkpoint import read_latest
+
+        start = read_latest(args.load) + 1
+    saves = [r for r in range(start, args.num_rollout) if should_save(args, r)]
+    logger.info(
+        "schedule: rollouts %d..%d, sleep between trains: %s, saves after rollouts %s, export %s",
+        start,
+        args.num_rollout - 1,
+        needs_sleep(args, len(configs)),
+        saves,
+        args.save_hf,
+    )
+
+
+def run_rollouts(args, rollout_manager, groups: dict, start_rollout_id: int, tracker) -> None:
+    """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, push, eval, save.
+
+    Args:
+        rollout_manager: the ``RolloutManager`` actor handle.
+        groups: ``{role: RayTrainGroup}`` in training order (``create_training_models``).
+        tracker: the driver's ``MetricsTracker`` (``perf/*`` timers).
+    """
+    import ray
+
+    sleep = needs_sleep(args, len(groups))
+    for rollout_id in trange(
+        start_rollout_id, args.num_rollout, initial=start_rollout_id, total=args.num_rollout, desc="rollout"
+    ):
+        perf: dict[str, float] = {}
+        step_start = time.perf_counter()
+        with _timer(perf, "perf/rollout_time"):
+            refs = ray.get(rollout_manager.generate.remote(rollout_id))
+        outs = {}
+        for role, group in groups.items():
+            with _timer(perf, f"perf/{role}_train_time"):
+                if sleep:
+                    ray.get(group.async_wake_up())
+                # Earlier groups' boxes only: the payloads stay in the object store until rank i unboxes them.
+                outs[role] = ray.get(group.async_train(rollout_id, refs, external_data=dict(outs)))
+            if role == "actor" and not args.train_only:
+                with _timer(perf, "perf/update_weights_time"):
+                    ray.get(group.async_update_weights(rollout_manager))
+            if sleep:
+                ray.get(group.async_sleep())
+        maybe_evaluate(args, rollout_id, rollout_manager, tracker)
+        if should_save(args, rollout_id):
+            data_state = ray.get(rollout_manager.state_dict.remote())
+            # One group at a time: a sleeping group wakes onto the shared device to save.
+            for group in groups.values():
+                ray.get(group.async_save(rollout_id, data_state))
+        perf["perf/step_time"] = time.perf_counter() - step_start
+        tracker.log(perf, rollout_id)
+
+
+def train(args) -> None:
+    """Place and start the rollout manager and the trainer groups, resume if asked, run the rollouts, export."""
+    import ray
+
+    from miles.backends.fsdp_utils.checkpoint import read_data_state
+    from miles.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
+    from miles.utils.tracking import MetricsTracker
+
+    pgs = create_placement_groups(args)
+    rollout_manager = create_rollout_manager(args, pgs)
+    groups = create_training_models(args, pgs)
+    actor = groups["actor"]
+    start = actor.start_rollout_id
+    if start > 0:
+        _, data_state = read_data_state(args.load)
+        if data_state is not None:
+            ray.get(rollout_manager.load_state_dict.remote(data_state))
+    if not args.train_only:
+        # The engine loaded --hf-checkpoint; after a resume the actor's weights differ.
+        ray.get(actor.async_update_weights(rollout_manager))
+    if needs_sleep(args, len(groups)):
+        ray.get([ref for group in groups.values() for ref in group.async_sleep()])
+    tracker = MetricsTracker(args, job="driver")
+    try:
+        run_rollouts(args, rollout_manager, groups, start, tracker)
+        if args.save_hf:
+            ray.get(actor.async_export_hf(args.save_hf))
+    finally:
+        tracker.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv``; ``--dry-run`` logs the plan and returns; otherwise start Ray, train, and shut Ray down."""
+    from miles.utils.arguments import parse_args
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    if args.dry_run:
+        log_plan(args)
+        return
+    import ray
+
+    # Ray 2.60 wants an auth mode for local clusters; the driver and its workers are all local processes.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C; set after ray.init, which installs its own
+    # handlers. SIGINT is reset too: a driver started in the background inherits it ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        train(args)
+    except KeyboardInterrupt:
+        logger.warning("interrupted; shutting down Ray")
+        raise
+    finally:
+        # Ends every actor of this job, so no trainer or engine process outlives the driver.
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
