@@ -25,6 +25,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from tqdm import trange
 
@@ -53,12 +54,46 @@ def should_save(args, rollout_id: int) -> bool:
     return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
 
 
-def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
-    """Evaluation call site (every ``--eval-interval`` rollouts and after the last): eval media and metrics.
+def should_evaluate(args, rollout_id: int) -> bool:
+    """Evaluate at every ``--eval-interval`` rollouts and after the last one (with ``--eval-interval``)."""
+    if not args.eval_interval:
+        return False
+    return rollout_id == args.num_rollout - 1 or (rollout_id + 1) % args.eval_interval == 0
 
-    Not implemented by the trainer issue; the evaluation issue fills this in.
-    """
-    return None
+
+def load_eval_records(args) -> list[dict]:
+    """The eval prompts: every record of ``--eval-prompt-data`` (default ``--prompt-data``), each repeated
+    ``--eval-n-samples-per-prompt`` times, in file order."""
+    import json
+
+    path = args.eval_prompt_data or args.prompt_data
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [record for record in records for _ in range(args.eval_n_samples_per_prompt)]
+
+
+def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
+    """Every ``--eval-interval`` rollouts: sample the eval prompts with the engine's current student, save the
+    images as a PNG grid under ``<output-dir>/eval/``, score them with ``--eval-function-path`` and log the figures as
+    ``eval/<name>`` (and the grid as wandb media with ``--use-wandb``)."""
+    if not should_evaluate(args, rollout_id):
+        return
+    import ray
+
+    from miles.eval.grids import save_image_grid
+    from miles.utils.misc import load_function
+
+    records = load_eval_records(args)
+    prompts = [record[args.input_key] for record in records]
+    # Fixed sample indices: every evaluation of a run starts from the same noise, so the grids are comparable.
+    images = ray.get(rollout_manager.evaluate.remote(prompts, list(range(len(prompts)))))
+    grid = save_image_grid(images, Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png", per_row=10)
+    metrics = {}
+    if args.eval_function_path:
+        hook = load_function(args.eval_function_path)
+        metrics = {f"eval/{key}": value for key, value in hook(args, images, records, rollout_id).items()}
+    tracker.log(metrics, rollout_id, images={"eval/samples": grid})
+    logger.info("eval after rollout %d: %s (grid %s)", rollout_id, metrics, grid)
 
 
 def log_plan(args) -> None:

@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from miles.eval.digits_data import to_uint8_images
 
-__all__ = ["render_digit_grid", "save_digit_grid"]
+__all__ = ["render_digit_grid", "save_digit_grid", "save_image_grid"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,4 +142,47 @@ def save_digit_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG")
     logger.info("saved digit grid %s (%dx%d)", path, image.width, image.height)
+    return str(path)
+
+
+def save_image_grid(
+    images: Any, path: str | os.PathLike, *, per_row: int = 10, scale: int | None = None, spacing: int = 4
+) -> str:
+    """Tile any model family's images in input order, ``per_row`` to a row, and save a PNG (parents created).
+
+    The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_digit_grid` it needs no labels.
+
+    Args:
+        images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255.
+        per_row: images per row (≥ 1).
+        scale: nearest-neighbour upscaling factor; default makes small images (digits' 8×8) about 48 pixels wide.
+        spacing: background pixels around and between cells.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        ValueError: for an empty batch or a non-positive ``per_row``.
+    """
+    pixels = np.asarray(images.numpy() if hasattr(images, "numpy") else images)
+    if pixels.ndim == 3:
+        pixels = pixels[..., None]
+    if len(pixels) == 0 or per_row < 1:
+        raise ValueError(f"save_image_grid needs images and per_row >= 1, got {len(pixels)} images, {per_row=}")
+    n, height, width, channels = pixels.shape
+    scale = scale or max(1, 48 // width)
+    rows = -(-n // per_row)
+    cell_h, cell_w = height * scale, width * scale
+    canvas = np.full(
+        (spacing + rows * (cell_h + spacing), spacing + min(n, per_row) * (cell_w + spacing), channels),
+        _BACKGROUND,
+        dtype=np.uint8,
+    )
+    for i, image in enumerate(pixels.astype(np.uint8)):
+        top = spacing + (i // per_row) * (cell_h + spacing)
+        left = spacing + (i % per_row) * (cell_w + spacing)
+        canvas[top : top + cell_h, left : left + cell_w] = image.repeat(scale, axis=0).repeat(scale, axis=1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(canvas[..., 0] if channels == 1 else canvas).save(path, format="PNG")
     return str(path)

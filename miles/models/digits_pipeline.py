@@ -142,7 +142,10 @@ def write_sampling_schedule(
     config[SCHEDULE_KEYS["distilled_guidance_scale"]] = (
         None if distilled_guidance_scale is None else float(distilled_guidance_scale)
     )
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # Replace rather than rewrite: an exported pipeline hard-links its source's files, which must stay unchanged.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
     logger.info("wrote sampling schedule to %s: %s, rule %s", path, schedule, step_rule)
     return read_sampling_schedule(config)
 

@@ -69,10 +69,14 @@ class MetricsTracker:
         run.define_metric("*", step_metric="rollout_id")
         return run
 
-    def log(self, metrics: dict[str, Any], rollout_id: int) -> None:
-        """Append one record for ``rollout_id``; values may be floats, ints or 0-d tensors."""
+    def log(self, metrics: dict[str, Any], rollout_id: int, images: dict[str, str] | None = None) -> None:
+        """Append one record for ``rollout_id``; values may be floats, ints or 0-d tensors.
+
+        ``images`` maps a key to a PNG path: the record stores the path, wandb receives the picture as media.
+        """
         record = {"job": self.job, "rollout_id": int(rollout_id), "time": round(time.time(), 3)}
         record.update({key: _to_number(value) for key, value in metrics.items()})
+        record.update({key: str(path) for key, path in (images or {}).items()})
         line = json.dumps(record) + "\n"
         # One os.write on an O_APPEND descriptor: concurrent writers append whole lines.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -81,7 +85,12 @@ class MetricsTracker:
         finally:
             os.close(fd)
         if self._wandb_run is not None:
-            self._wandb_run.log({key: value for key, value in record.items() if key not in ("job", "time")})
+            payload = {key: value for key, value in record.items() if key not in ("job", "time")}
+            if images:
+                import wandb
+
+                payload.update({key: wandb.Image(str(path)) for key, path in images.items()})
+            self._wandb_run.log(payload)
         # The driver's timers every rollout would drown the tqdm bar; train metrics stay visible.
         level = logging.DEBUG if self.job == "driver" else logging.INFO
         logger.log(level, "%s rollout %d: %s", self.job, rollout_id, _format(metrics))

@@ -363,7 +363,8 @@ class FSDPTrainRayActor:
         """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
 
         The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
-        ``save_pretrained`` of an unsharded copy holding the trained weights. Written to a temporary sibling and
+        ``save_pretrained`` of an unsharded copy holding the trained weights; its scheduler config records the
+        engine's sampling schedule (``--diffusion-num-steps``, shift, step rule). Written to a temporary sibling and
         renamed into place, so a crash never leaves a half-written pipeline at ``out_dir``.
 
         Returns:
@@ -380,6 +381,7 @@ class FSDPTrainRayActor:
             model.load_state_dict(state_dict)
             shutil.rmtree(tmp / TRANSFORMER)
             model.save_pretrained(tmp / TRANSFORMER)
+            self._write_sampling_schedule(tmp)
             if out.exists():
                 stale = out.parent / f".stale_{out.name}"
                 shutil.rmtree(stale, ignore_errors=True)
@@ -391,6 +393,22 @@ class FSDPTrainRayActor:
             logger.info("exported %s pipeline to %s", self.role, out)
         dist.barrier()
         return str(out_dir)
+
+    def _write_sampling_schedule(self, pipeline_dir: Path) -> None:
+        """Record the engine's schedule (the student's, under dmd2) in the export's scheduler config."""
+        from miles.models.digits_pipeline import write_sampling_schedule
+
+        args = self.args
+        timesteps = args.diffusion_timesteps
+        write_sampling_schedule(
+            pipeline_dir,
+            num_steps=len(timesteps) if timesteps else args.diffusion_num_steps,
+            shift=args.diffusion_flow_shift,
+            step_rule=args.diffusion_step_rule,
+            timesteps=timesteps,
+            guidance_scale=args.diffusion_guidance_scale,
+            distilled_guidance_scale=args.dmd2_teacher_guidance_scale if args.loss_type == "dmd2" else None,
+        )
 
     # -- checkpoints and memory ------------------------------------------------------------------------------------
     def save(self, rollout_id: int, data_state: Any = None) -> str:
