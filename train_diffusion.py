@@ -186,6 +186,9 @@ def run_rollouts(args, rollout_manager, groups: dict, start_rollout_id: int, tra
                     ray.get(group.async_update_weights(rollout_manager))
             if sleep:
                 ray.get(group.async_sleep())
+        if args.train_only and should_evaluate(args, rollout_id):
+            # Without rollouts the engine only needs the student's weights when it draws the eval images.
+            ray.get(groups["actor"].async_update_weights(rollout_manager))
         maybe_evaluate(args, rollout_id, rollout_manager, tracker)
         if should_save(args, rollout_id):
             data_state = ray.get(rollout_manager.state_dict.remote())

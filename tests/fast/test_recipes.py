@@ -1,0 +1,73 @@
+"""The shipped recipes: the SD3.5-Medium DMD2 script passes ``--dry-run`` here, bad flags fail on one line, and the
+digits recipe's command line parses."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # The recipe calls plain `python`: put this interpreter's bin directory first so it runs the venv's.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **extra}
+
+
+def test_sd35_medium_dmd2_recipe_passes_its_dry_run(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples" / "sd35_medium" / "run_dmd2.sh")],
+        env=_env(DRY_RUN="1", OUT=str(tmp_path / "out")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    # 8 ranks on one node, one bundle each (GPU bundles on a GPU machine, CPU bundles here).
+    assert re.search(r"placement: 8 bundles of \{('GPU': 1, )?'CPU': 1\}", log), log
+    assert "rollout manager: colocated on bundle 0" in log and "engine on" in log
+    # Both groups, the critic first: K = 5 steps at the critic lr from the teacher; the student one step at its lr.
+    critic, actor = log.index("group critic:"), log.index("group actor:")
+    assert critic < actor
+    critic_line = log[critic:].splitlines()[0]
+    actor_line = log[actor:].splitlines()[0]
+    assert "lr 8e-06, 5 optimizer steps per rollout" in critic_line and "dmd2.prepare_critic_batch" in critic_line
+    assert f"save': '{tmp_path / 'out' / 'ckpt'}_critic'" in critic_line
+    assert "lr 2e-06, 1 optimizer steps per rollout" in actor_line and "teacher None" in actor_line
+    assert "dmd2.dmd2_loss_formula" in actor_line
+    assert "schedule: rollouts 0..2999, sleep between trains: True, saves after rollouts [249, 499," in log
+    assert f"export {tmp_path / 'out' / 'student'}" in log
+    # A dry run writes nothing: no run directory, no wandb files.
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_rejects_a_bad_combination_with_one_line_and_exit_2(tmp_path):
+    argv = [
+        sys.executable, str(REPO / "train_diffusion.py"), "--dry-run", "--loss-type", "dmd2",
+        "--hf-checkpoint", str(tmp_path / "student"), "--teacher-load", str(tmp_path / "teacher"),
+        "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "2", "--rollout-batch-size", "4",
+        "--diffusion-guidance-scale", "3",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("train_diffusion.py: error: --loss-type dmd2 needs unguided student rollouts")
+    assert "--diffusion-guidance-scale 1" in lines[0]
+
+
+def test_digits_recipe_help():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--out", "--guidance-scale", "--one-step", "--smoke", "--ranks"):
+        assert flag in proc.stdout
