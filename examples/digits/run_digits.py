@@ -2,7 +2,7 @@
 4-step (and optionally a 1-step) student, evaluate everything and print the table.
 
     python examples/digits/run_digits.py                       # the whole recipe (CPU, ~20 min on 2 cores)
-    python examples/digits/run_digits.py --one-step            # also distill a 1-step student
+    python examples/digits/run_digits.py --one-step --unguided # also a 1-step and an unguided student (~+15 min)
     python examples/digits/run_digits.py --smoke --out /tmp/d  # a few rollouts per stage (CI)
 
 Stages (each reuses its output when that output is complete, so an interrupted run picks up where it stopped):
@@ -12,7 +12,7 @@ Stages (each reuses its output when that output is complete, so an interrupted r
 3. teacher   ``train_diffusion.py --loss-type sft_loss --train-only``: flow matching on the train split, with 10%
              of the prompts dropped to the empty prompt so the teacher supports CFG.
 4. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
-             with CFG ``--guidance-scale``. Also an unguided (CFG 1) distillation, reported beside the teacher at 1.
+             with CFG ``--guidance-scale``. ``--unguided`` adds a CFG-1 distillation, reported beside the teacher at 1.
 5. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG.
 
 Every stage is a subprocess running the project's own command line, so the log shows the exact commands to rerun.
@@ -47,7 +47,7 @@ STUDENT_FLAGS = [
     "--rollout-batch-size", "40", "--micro-batch-size", "4",
     "--diffusion-flow-shift", "3.0", "--fsdp-flow-shift", "3.0",
     "--dmd2-critic-steps-per-rollout", "5",
-    "--lr", "2e-5", "--critic-lr", "1e-4", "--clip-grad", "1.0",
+    "--lr", "1e-4", "--critic-lr", "4e-4", "--clip-grad", "1.0",
 ]  # fmt: skip
 
 
@@ -81,10 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "digits", help="Run directory.")
     parser.add_argument("--guidance-scale", type=float, default=3.0, help="Teacher CFG distilled into the student.")
-    parser.add_argument("--teacher-rollouts", type=int, default=200, help="Teacher SFT rollouts (4 steps each).")
+    parser.add_argument("--teacher-rollouts", type=int, default=300, help="Teacher SFT rollouts (4 steps each).")
     parser.add_argument("--student-rollouts", type=int, default=300, help="DMD2 rollouts per student.")
     parser.add_argument("--one-step", action="store_true", help="Also distill a 1-step student.")
-    parser.add_argument("--no-unguided", action="store_true", help="Skip the unguided (CFG 1) distillation.")
+    parser.add_argument("--unguided", action="store_true", help="Also distill unguided (teacher CFG 1).")
     parser.add_argument("--n-per-class", type=int, default=50, help="Evaluation samples per digit.")
     parser.add_argument("--ranks", type=int, default=2, help="DP ranks of each trainer group (CPU processes).")
     parser.add_argument("--smoke", action="store_true", help="A few rollouts per stage and a small evaluation.")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(4, args.guidance_scale)]
     if args.one_step:
         variants.append((1, args.guidance_scale))
-    if not args.no_unguided:
+    if args.unguided:
         variants.append((4, 1.0))
     for steps, scale in variants:
         name = f"student-{steps}step-cfg{scale:g}"
