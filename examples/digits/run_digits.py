@@ -72,7 +72,8 @@ def train(name: str, out: Path, flags: list[str], save_hf: Path) -> None:
         logger.info("[%s] reusing %s", name, save_hf)
         return
     logger.info("[%s] training -> %s", name, save_hf)
-    cmd = [sys.executable, "train_diffusion.py", *flags, "--save-hf", str(save_hf), "--output-dir", str(out / name)]
+    run_dir = out / "runs" / name  # metrics.jsonl and eval grids; kept apart from the exported pipeline
+    cmd = [sys.executable, "train_diffusion.py", *flags, "--save-hf", str(save_hf), "--output-dir", str(run_dir)]
     run(cmd)
     mark_done(save_hf, command=shlex.join(cmd))
 

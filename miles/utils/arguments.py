@@ -6,6 +6,7 @@ runs the validators. Validators only reject: each rejection is one line naming t
 """
 
 import argparse
+import os
 import sys
 
 __all__ = [
@@ -519,6 +520,21 @@ def validate_args(args: argparse.Namespace) -> None:
         _reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         _reject("--save-interval needs --save and must be >= 1")
+    if args.save_hf:
+        # The export replaces its directory wholesale: it must not be a model, a checkpoint or the run directory.
+        export = os.path.realpath(args.save_hf)
+        for flag in ("hf_checkpoint", "teacher_load", "critic_load", "load", "save", "output_dir"):
+            value = getattr(args, flag)
+            if value and os.path.realpath(value) == export:
+                _reject(
+                    f"--save-hf {args.save_hf} is also --{flag.replace('_', '-')}; export to a directory of its own"
+                )
+        if (
+            os.path.isdir(export)
+            and os.listdir(export)
+            and not os.path.isfile(os.path.join(export, "model_index.json"))
+        ):
+            _reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; the export would replace it")
     if args.eval_interval is not None and args.eval_interval < 1:
         _reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
 

@@ -194,3 +194,27 @@ def test_deep_copy_of_parsed_args_pickles_to_the_same_bytes(argv):
     assert clone is not args and clone.diffusion_timesteps is not args.diffusion_timesteps
     assert pickle.dumps(clone) == pickle.dumps(args)
     assert vars(pickle.loads(pickle.dumps(args))) == vars(args)
+
+
+def test_save_hf_never_replaces_a_model_a_checkpoint_or_other_files(tmp_path):
+    from miles.utils.arguments import ArgumentValidationError, build_parser, set_default_diffusion_args, validate_args
+
+    def check(*extra):
+        argv = ["--hf-checkpoint", str(tmp_path / "init"), "--prompt-data", "p.jsonl", "--num-rollout", "1"]
+        args = build_parser().parse_args([*argv, "--rollout-batch-size", "2", *extra])
+        validate_args(set_default_diffusion_args(args))
+
+    with pytest.raises(ArgumentValidationError, match="--save-hf .* is also --hf-checkpoint"):
+        check("--save-hf", str(tmp_path / "init"))
+    for flag in ("--output-dir", "--save"):
+        with pytest.raises(ArgumentValidationError, match=f"--save-hf .* is also {flag}"):
+            check("--save-hf", str(tmp_path / "run"), flag, str(tmp_path / "run"))
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ArgumentValidationError, match="not a pipeline directory"):
+        check("--save-hf", str(other))
+    pipeline = tmp_path / "old_export"
+    pipeline.mkdir()
+    (pipeline / "model_index.json").write_text("{}")
+    check("--save-hf", str(pipeline))  # an earlier export may be replaced
