@@ -23,6 +23,7 @@ Add ``--load /tmp/ckpt`` to resume at the rollout after the newest checkpoint.
 import logging
 import os
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -259,4 +260,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # Ray is already shut down (main's finally); the user asked to stop, so no traceback. 130 = 128 + SIGINT.
+        sys.exit(130)

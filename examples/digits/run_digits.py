@@ -62,7 +62,11 @@ def mark_done(path: Path, **info) -> None:
 def run(cmd: list[str]) -> None:
     logger.info("$ %s", shlex.join(cmd))
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    returncode = subprocess.run(cmd, cwd=REPO).returncode
+    if returncode != 0:
+        # The stage printed its own error; stop here so no later stage runs on a missing or partial output.
+        logger.error("stage failed with exit code %d: %s", returncode, shlex.join(cmd))
+        sys.exit(returncode)
     logger.info("  done in %.0fs", time.perf_counter() - start)
 
 
