@@ -7,7 +7,6 @@ runs the validators. Validators only reject: each rejection is one line naming t
 
 import argparse
 import os
-import sys
 
 __all__ = [
     "ArgumentValidationError",
@@ -552,7 +551,3 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ArgumentValidationError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return args
-
-
-if __name__ == "__main__":  # pragma: no cover - convenience for `python -m miles.utils.arguments --help`
-    print(parse_args(sys.argv[1:]))

@@ -71,3 +71,29 @@ def test_digits_recipe_help():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--guidance-scale", "--one-step", "--smoke", "--ranks"):
         assert flag in proc.stdout
+
+
+def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(tmp_path):
+    # The README's main job with two rollouts per stage: data, init, teacher SFT, DMD2 student, evaluation.
+    out = tmp_path / "digits"
+    cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for stage in ("init", "teacher", "student-4step-cfg3"):
+        assert (out / stage / ".miles_stage_complete.json").is_file(), stage
+    summary = (out / "summary.md").read_text()
+    for row in ("teacher-28step-cfg3", "teacher-4step-cfg3", "teacher-1step-cfg3", "student-4step-cfg3", "real-train"):
+        assert f"| {row} |" in summary, row
+    assert (out / "eval-cfg3" / "student-4step-cfg3.png").is_file()
+    # The exported student samples with its own 4-step schedule by default.
+    from miles.models.digits_pipeline import DigitsPipeline
+
+    student = DigitsPipeline.from_pretrained(str(out / "student-4step-cfg3"))
+    assert student.sampling_defaults["num_inference_steps"] == 4
+    assert student.sampling_defaults["step_rule"] == "dmd2"
+
+    # A rerun reuses every complete stage instead of training again.
+    again = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
+    assert "train_diffusion.py" not in again.stderr
