@@ -95,6 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="A few rollouts per stage and a small evaluation.")
     parser.add_argument("--use-wandb", action="store_true", help="Log training and eval media to wandb (offline).")
     args = parser.parse_args(argv)
+    # Checked here, before the first stage: a bad value would otherwise surface only in the stage that reads it,
+    # possibly after the teacher's hour of training.
+    for flag in ("teacher_rollouts", "student_rollouts", "n_per_class"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.ranks not in (1, 2):
+        # The teacher's 64 pairs per step in micro-batches of 32, and the student's 40-pair rollouts, split over 1
+        # or 2 ranks only.
+        parser.error(f"--ranks must be 1 or 2 (the recipe's batch sizes split over those), got {args.ranks}")
+    if args.guidance_scale < 1:
+        parser.error(f"--guidance-scale must be >= 1 (1 = no CFG), got {args.guidance_scale}")
     if args.smoke:
         args.teacher_rollouts, args.student_rollouts, args.n_per_class = 2, 2, 3
     return args
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from miles.eval.digits import evaluate_suite
     from miles.eval.report import format_summary_table
 
-    tables = []
+    tables, all_results = [], []
     for scale in sorted({scale for _, scale in variants}, reverse=True):
         chosen = {name: str(path) for (steps, s), (name, path) in students.items() if s == scale}
         results = evaluate_suite(
@@ -168,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
         )
         tables.append(f"### CFG {scale:g}\n\n{format_summary_table(results)}")
+        all_results += results
     summary = "\n\n".join(tables)
     (out / "summary.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
+    (out / "summary.json").write_text(json.dumps(all_results, indent=2, default=str) + "\n")
     logger.info("finished in %.0fs; tables in %s and grids under %s/eval-cfg*/", time.perf_counter() - start,
                 out / "summary.md", out)  # fmt: skip
     print(summary)

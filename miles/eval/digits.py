@@ -2,7 +2,7 @@
 
 * :func:`evaluate_pipeline`: one row: ``n_per_class`` samples of each digit prompt from a pipeline directory at a
   given schedule and CFG, scored by :func:`miles.eval.metrics.evaluate_images`, with a PNG grid.
-* :func:`evaluate_suite`: the comparison table of issue 6: the teacher at 28 / 4 / 1 Euler steps, each student at
+* :func:`evaluate_suite`: the distillation comparison: the teacher at 28 / 4 / 1 Euler steps, each student at
   its exported schedule, and the real-digits row, at one CFG scale; writes ``summary.md`` and ``summary.json``.
 * :func:`digits_eval_hook`: the train-time ``--eval-function-path`` hook.
 
@@ -208,7 +208,7 @@ def evaluate_suite(
     cache_dir: str | os.PathLike | None = None,
     title: str | None = None,
 ) -> list[dict]:
-    """The issue-6 comparison at one CFG scale, with the real-digits floor; writes ``summary.md`` / ``summary.json``.
+    """The teacher-vs-students comparison at one CFG scale, with the real-digits floor; writes ``summary.md`` / ``summary.json``.
 
     Rows, all with the same ``n_per_class`` and ``seed``:
 

@@ -1,6 +1,7 @@
 """The shipped recipes: the SD3.5-Medium DMD2 script passes ``--dry-run`` here, bad flags fail on one line, and the
 digits recipe's command line parses."""
 
+import json
 import os
 import re
 import subprocess
@@ -85,6 +86,10 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(tmp_path):
     for row in ("teacher-28step-cfg3", "teacher-4step-cfg3", "teacher-1step-cfg3", "student-4step-cfg3", "real-train"):
         assert f"| {row} |" in summary, row
     assert (out / "eval-cfg3" / "student-4step-cfg3.png").is_file()
+    assert {row["name"] for row in json.loads((out / "summary.json").read_text())} >= {
+        "student-4step-cfg3",
+        "real-train",
+    }
     # The exported student samples with its own 4-step schedule by default.
     from miles.models.digits_pipeline import DigitsPipeline
 
@@ -97,3 +102,19 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
     assert "train_diffusion.py" not in again.stderr
+
+
+def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
+    # Without these checks --ranks 3 failed in the teacher stage, and --guidance-scale 0.5 only in the student stage,
+    # after the teacher's training.
+    for extra, message in (
+        (["--ranks", "3"], "--ranks must be 1 or 2"),
+        (["--guidance-scale", "0.5"], "--guidance-scale must be >= 1"),
+        (["--student-rollouts", "0"], "--student-rollouts must be >= 1, got 0"),
+    ):
+        cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--out", str(tmp_path / "out")]
+        proc = subprocess.run([*cmd, *extra], env=_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"run_digits.py: error: {message}"), proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "out").exists()
