@@ -6,7 +6,7 @@ Per rollout (DESIGN.md §2)::
     for role, group in groups:                                     # dmd2: critic, then actor
         outs[role] = group.train(rollout_id, refs, external_data=outs so far)   # rank i gets rank i's boxes
         actor: push weights to the engine (unless --train-only); colocated groups sleep right after their train
-    evaluate / save periodically
+    save / evaluate periodically (the checkpoint first, so a failing eval hook cannot cost it)
 
 Train the bundled digits pipeline with SFT on 2 CPU ranks::
 
@@ -158,7 +158,7 @@ def log_plan(args) -> None:
 
 
 def run_rollouts(args, rollout_manager, groups: dict, start_rollout_id: int, tracker) -> None:
-    """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, push, eval, save.
+    """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, push, save, eval.
 
     Args:
         rollout_manager: the ``RolloutManager`` actor handle.
@@ -187,15 +187,16 @@ def run_rollouts(args, rollout_manager, groups: dict, start_rollout_id: int, tra
                     ray.get(group.async_update_weights(rollout_manager))
             if sleep:
                 ray.get(group.async_sleep())
-        if args.train_only and should_evaluate(args, rollout_id):
-            # Without rollouts the engine only needs the student's weights when it draws the eval images.
-            ray.get(groups["actor"].async_update_weights(rollout_manager))
-        maybe_evaluate(args, rollout_id, rollout_manager, tracker)
+        # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
         if should_save(args, rollout_id):
             data_state = ray.get(rollout_manager.state_dict.remote())
             # One group at a time: a sleeping group wakes onto the shared device to save.
             for group in groups.values():
                 ray.get(group.async_save(rollout_id, data_state))
+        if args.train_only and should_evaluate(args, rollout_id):
+            # Without rollouts the engine only needs the student's weights when it draws the eval images.
+            ray.get(groups["actor"].async_update_weights(rollout_manager))
+        maybe_evaluate(args, rollout_id, rollout_manager, tracker)
         perf["perf/step_time"] = time.perf_counter() - step_start
         tracker.log(perf, rollout_id)
 
@@ -233,10 +234,18 @@ def train(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv``; ``--dry-run`` logs the plan and returns; otherwise start Ray, train, and shut Ray down."""
-    from miles.utils.arguments import parse_args
+    from miles.utils.arguments import ArgumentValidationError, parse_args
+    from miles.utils.preflight import validate_inputs
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        # Paths, data and hooks before Ray starts; a dry run checks the hooks and --load only (the data may live on
+        # the cluster).
+        validate_inputs(args, check_paths=not args.dry_run)
+    except ArgumentValidationError as exc:
+        print(f"train_diffusion.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if args.dry_run:
         log_plan(args)
         return

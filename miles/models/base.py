@@ -33,7 +33,10 @@ def read_json(path: str | Path, what: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path} (is the pipeline directory complete?)")
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} {path} is not valid JSON ({exc}); is the file truncated?") from exc
 
 
 class ModelFamily(ABC):

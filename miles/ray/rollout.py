@@ -68,6 +68,7 @@ class RolloutManager:
             shuffle=getattr(args, "rollout_shuffle", True),
         )
         self.family = get_model_family(args.hf_checkpoint, getattr(args, "diffusion_model_family", None))
+        self.latent_shape = self.family.latent_shape(args.hf_checkpoint)
         self.device = default_device()
         self.encoder = self.family.load_text_encoder(args.hf_checkpoint, device=self.device)
         converter_path = getattr(args, "custom_expand_samples_to_train_pairs_path", None)
@@ -140,7 +141,13 @@ class RolloutManager:
                         neg_cond=neg_row,
                         guidance_scale=1.0,
                     ),
-                    x0=load_image_latent(self.family, record[image_key], base_dir).float(),
+                    x0=load_image_latent(
+                        self.family,
+                        record[image_key],
+                        base_dir,
+                        expected_shape=self.latent_shape,
+                        where=f"--train-only sample {index} (prompt {prompt!r}, --image-key {image_key!r})",
+                    ).float(),
                 )
             )
         return samples
@@ -154,6 +161,13 @@ class RolloutManager:
         start = time.perf_counter()
         samples = self.generate_samples(rollout_id)
         pairs = self.converter(self.args, samples)
+        if len(pairs) % self.dp_size and len(samples) % self.dp_size == 0:
+            # The samples split evenly, so the uneven count is the converter's doing, not the batch flags'.
+            raise ValueError(
+                f"--custom-expand-samples-to-train-pairs-path {self.args.custom_expand_samples_to_train_pairs_path} "
+                f"returned {len(pairs)} train pairs for {len(samples)} samples in rollout {rollout_id}, which do not "
+                f"split evenly over DP size {self.dp_size}; the converter must return a multiple of the DP size"
+            )
         shards = split_for_dp(pairs, self.dp_size)
         logger.info(
             "rollout %d: %d samples -> %d pairs in %.2fs",

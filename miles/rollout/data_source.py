@@ -43,6 +43,8 @@ class JsonlPromptSource:
         self.input_key = input_key
         self.seed = seed
         self.shuffle = shuffle
+        if self.path.is_dir():
+            raise FileNotFoundError(f"--prompt-data {self.path} is a directory; pass a JSONL file")
         if not self.path.is_file():
             raise FileNotFoundError(f"--prompt-data {self.path} does not exist")
         self.records: list[dict[str, Any]] = []
@@ -149,6 +151,34 @@ def load_image(value: Any, base_dir: str | Path | None = None) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.uint8))
 
 
-def load_image_latent(family: Any, value: Any, base_dir: str | Path | None = None) -> torch.Tensor:
-    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``)."""
-    return family.images_to_latents(load_image(value, base_dir).unsqueeze(0))[0]
+def load_image_latent(
+    family: Any,
+    value: Any,
+    base_dir: str | Path | None = None,
+    expected_shape: tuple[int, ...] | None = None,
+    where: str | None = None,
+) -> torch.Tensor:
+    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``).
+
+    Args:
+        expected_shape: the denoiser's latent shape (``family.latent_shape``); an image of another size is rejected.
+        where: names the record in errors, e.g. ``"--prompt-data data.jsonl record 7 (prompt 'a 7')"``.
+
+    Raises:
+        ValueError: on a bad image (see :func:`load_image`) or a latent of another shape; the message starts with
+            ``where``.
+        FileNotFoundError: if the image path does not exist.
+    """
+    prefix = f"{where}: " if where else ""
+    try:
+        latent = family.images_to_latents(load_image(value, base_dir).unsqueeze(0))[0]
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{prefix}{exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{prefix}{exc}") from exc
+    if expected_shape is not None and tuple(latent.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{prefix}the image gives a latent of shape {tuple(latent.shape)} but the model takes "
+            f"{tuple(expected_shape)}; resize the image to the pipeline's sample size"
+        )
+    return latent

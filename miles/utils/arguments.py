@@ -536,6 +536,20 @@ def validate_args(args: argparse.Namespace) -> None:
             _reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; the export would replace it")
     if args.eval_interval is not None and args.eval_interval < 1:
         _reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
+    validate_number_args(args)
+
+
+def validate_number_args(args: argparse.Namespace) -> None:
+    """Reject numbers that no run can use (a negative learning rate, warmup or engine bundle count, a flow shift
+    <= 0), which would otherwise fail inside a Ray worker, or silently train the wrong way."""
+    for flag in ("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_steps", "rollout_num_gpus"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            _reject(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    if args.diffusion_flow_shift <= 0:
+        _reject(f"--diffusion-flow-shift must be > 0 (e.g. 3.0), got {args.diffusion_flow_shift}")
+    if args.eval_n_samples_per_prompt < 1:
+        _reject(f"--eval-n-samples-per-prompt must be >= 1, got {args.eval_n_samples_per_prompt}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

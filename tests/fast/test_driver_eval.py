@@ -181,3 +181,45 @@ def test_tracker_records_image_paths_and_sends_them_to_wandb_as_media(tmp_path, 
     assert read_metrics(wandb_args.output_dir)[0]["eval/samples"] == png
     # wandb copies logged images into the run's media folder.
     assert list((run_dir / "media" / "images").glob("eval/samples_*.png"))
+
+
+def test_a_failing_eval_hook_does_not_cost_the_rollouts_checkpoint(setup, monkeypatch):
+    import ray
+
+    calls = []
+
+    class _Method:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+        def remote(self, *args):
+            calls.append(self.name)
+            return ray.put(self.value)
+
+    class _Group:
+        def async_train(self, rollout_id, refs, external_data):
+            calls.append(f"train {rollout_id}")
+            return [ray.put(None)]
+
+        def async_save(self, rollout_id, data_state):
+            calls.append(f"save {rollout_id}")
+            return [ray.put(None)]
+
+        def async_update_weights(self, rollout_manager):
+            calls.append("push")
+            return [ray.put(None)]
+
+    def failing_eval(args, rollout_id, rollout_manager, tracker):
+        if train_diffusion.should_evaluate(args, rollout_id):
+            raise RuntimeError("eval hook failed")
+
+    monkeypatch.setattr(train_diffusion, "maybe_evaluate", failing_eval)
+    manager = SimpleNamespace(generate=_Method("generate", []), state_dict=_Method("state_dict", {}))
+    args = SimpleNamespace(
+        num_rollout=2, train_only=True, rollout_num_gpus=0, save="/ckpt", save_interval=None, eval_interval=5
+    )
+    tracker = SimpleNamespace(log=lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="eval hook failed"):
+        train_diffusion.run_rollouts(args, manager, {"actor": _Group()}, 0, tracker)
+    # The last rollout is saved before its evaluation runs (and fails).
+    assert calls == ["generate", "train 0", "generate", "train 1", "state_dict", "save 1", "push"]

@@ -53,6 +53,33 @@ def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, 
     assert "schedule: rollouts 0..4" in text and "saves after rollouts [1, 3, 4]" in text
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--hf-checkpoint", "{tmp}/nope"], "--hf-checkpoint {tmp}/nope: no such directory"),
+        (["--prompt-data", "{tmp}/nope.jsonl"], "--prompt-data {tmp}/nope.jsonl does not exist"),
+        (["--eval-interval", "1", "--eval-function-path", "miles.eval.digits.no_hook"], "--eval-function-path: hook"),
+        (["--custom-train-input-function-path", "no_such_module.fn"], "--custom-train-input-function-path: hook"),
+        (["--load", "{tmp}/ckpt"], "--load {tmp}/ckpt: no such directory"),
+    ],
+)
+def test_bad_paths_and_hooks_fail_before_ray_on_one_line_with_exit_2(pipeline, data, tmp_path, extra, message):
+    # Without the pre-flight checks these failed inside a Ray worker, or (the eval hook) only after the training.
+    argv = [part.format(tmp=tmp_path) for part in _cli(pipeline, data, tmp_path / "run", "--num-rollout", "1", *extra)]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train_diffusion.py"), *argv],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("train_diffusion.py: error: " + message.format(tmp=tmp_path)), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(pipeline, data, tmp_path):
     import ray
 

@@ -79,3 +79,18 @@ def test_images_load_from_lists_npy_and_png(tmp_path):
         load_image([[0.5, 1.0]])
     with pytest.raises(FileNotFoundError, match="nope.npy"):
         load_image("nope.npy", base_dir=tmp_path)
+
+
+def test_image_errors_name_the_record_and_a_wrong_size_is_rejected(tmp_path):
+    family = DigitsFamily(tmp_path)
+    where = "--train-only sample 3 (prompt 'a 3')"
+    with pytest.raises(ValueError, match=r"^--train-only sample 3 \(prompt 'a 3'\): image values must be in 0\.\.255"):
+        load_image_latent(family, [[0, 300]], where=where)
+    with pytest.raises(FileNotFoundError, match=r"^--train-only sample 3 .*nope\.png"):
+        load_image_latent(family, "nope.png", base_dir=tmp_path, where=where)
+    big = [[0] * 16 for _ in range(16)]
+    with pytest.raises(ValueError, match=r"latent of shape \(1, 16, 16\) but the model takes \(1, 8, 8\)"):
+        load_image_latent(family, big, expected_shape=(1, 8, 8), where=where)
+    assert load_image_latent(family, big).shape == (1, 16, 16)  # no expected shape: no check
+    with pytest.raises(FileNotFoundError, match="is a directory; pass a JSONL file"):
+        JsonlPromptSource(tmp_path)

@@ -106,6 +106,16 @@ def test_uneven_split_raises_naming_the_flags(ray_session, workdir):
     assert split_for_dp(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_a_converter_that_breaks_the_dp_split_is_named(ray_session, workdir):
+    pipeline, data, _ = workdir
+    manager = RolloutManager(dmd2_args(pipeline, data), dp_size=2)
+    converter = manager.converter
+    manager.converter = lambda args, samples: converter(args, samples)[:-1]
+    message = r"--custom-expand-samples-to-train-pairs-path .* returned 5 train pairs for 6 samples in rollout 0"
+    with pytest.raises(ValueError, match=message + ".*must return a multiple of the DP size"):
+        manager.generate(0)
+
+
 def test_train_only_sft_pairs_carry_the_data_images(ray_session, workdir):
     ray = ray_session
     pipeline, data, records = workdir
