@@ -1,7 +1,7 @@
 """The digits recipe: train a tiny text-to-image teacher on real handwritten digits, distill it with DMD2 into a
 4-step (and optionally a 1-step) student, evaluate everything and print the table.
 
-    python examples/digits/run_digits.py                       # the whole recipe (CPU, ~20 min on 2 cores)
+    python examples/digits/run_digits.py                       # the whole recipe (CPU, ~11 min on 2 cores)
     python examples/digits/run_digits.py --one-step --unguided # also a 1-step and an unguided student (~+15 min)
     python examples/digits/run_digits.py --smoke --out /tmp/d  # a few rollouts per stage (CI)
 
