@@ -396,7 +396,7 @@ class FSDPTrainRayActor:
 
     def _write_sampling_schedule(self, pipeline_dir: Path) -> None:
         """Record the engine's schedule (the student's, under dmd2) in the export's scheduler config."""
-        from miles.models.digits_pipeline import write_sampling_schedule
+        from miles.models.sampling_schedule import write_sampling_schedule
 
         args = self.args
         timesteps = args.diffusion_timesteps
