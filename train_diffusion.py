@@ -1,6 +1,6 @@
 """The sync driver: one process that runs the rollouts and trains the trainer groups in order.
 
-Per rollout (DESIGN.md §2)::
+Per rollout (docs/architecture.md)::
 
     refs = rollout_manager.generate(rollout_id)                    # one Box per DP rank
     for role, group in groups:                                     # dmd2: critic, then actor

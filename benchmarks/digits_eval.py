@@ -1,7 +1,8 @@
 """Rerun the digits evaluation of a teacher and its DMD2 students and print the summary table.
 
     python benchmarks/digits_eval.py --teacher outputs/digits/teacher \\
-        --student student-4step=outputs/digits/student-4step --student student-1step=outputs/digits/student-1step \\
+        --student student-4step-cfg3=outputs/digits/student-4step-cfg3 \\
+        --student student-1step-cfg3=outputs/digits/student-1step-cfg3 \\
         --guidance-scale 3 --n-per-class 50 --seed 0 --out outputs/digits/eval
 
 Rows: the teacher at ``--teacher-steps`` Euler steps (28 4 1) with CFG ``--guidance-scale``; each student at its

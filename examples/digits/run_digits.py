@@ -21,6 +21,7 @@ Every stage is a subprocess running the project's own command line, so the log s
 import argparse
 import json
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -56,7 +57,10 @@ def stage_done(path: Path) -> bool:
 
 
 def mark_done(path: Path, **info) -> None:
-    (path / COMPLETE).write_text(json.dumps({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, indent=2))
+    # Replace, never rewrite in place: an export hard-links its source's files, this marker included.
+    tmp = path / (COMPLETE + ".tmp")
+    tmp.write_text(json.dumps({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, indent=2))
+    os.replace(tmp, path / COMPLETE)
 
 
 def run(cmd: list[str]) -> None:

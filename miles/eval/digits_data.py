@@ -11,8 +11,8 @@ train / 359 held-out images). Both splits are returned in ascending dataset orde
 
 Pixels: ``uint8 = floor(value · 255 / 16 + 0.5)`` (round half up), so 0 → 0, 8 → 128, 16 → 255.
 
-Run ``python -m miles.eval.digits_data OUT_DIR`` to write ``train.jsonl``, ``heldout.jsonl``, ``prompts.jsonl`` and
-``manifest.json`` into ``OUT_DIR``.
+Run ``python -m miles.eval.digits_data OUT_DIR`` to write ``train.jsonl``, ``heldout.jsonl``, ``prompts.jsonl``,
+``eval_prompts.jsonl`` and ``manifest.json`` into ``OUT_DIR``.
 """
 
 import argparse

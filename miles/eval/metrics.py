@@ -279,7 +279,7 @@ def evaluate_real_baseline(
         :func:`evaluate_images`'s dict with ``name="real-train"`` and meta ``{"model": "real", "sampler": "-"}``.
 
     Raises:
-        ValueError: if a class has fewer train images than requested (``n_samples`` > ~1740).
+        ValueError: if a class has fewer train images than requested (``n_samples`` > 1390: digit 8 has 139 train images).
     """
     classifier = classifier or load_classifier(cache_dir)
     train_images, train_labels = load_split("train", classifier.split_seed)

@@ -1,6 +1,6 @@
 """The embedded few-step sampler: it generates the student's rollouts inside the RolloutManager actor.
 
-Math (DESIGN.md §4; diffusers ``FlowMatchEulerDiscreteScheduler``; tianweiy/DMD2 backward simulation):
+Math (docs/architecture.md; diffusers ``FlowMatchEulerDiscreteScheduler``; tianweiy/DMD2 backward simulation):
 
 * σ schedule: ``FlowNoiseSchedule`` (``--diffusion-num-steps``, ``--diffusion-flow-shift`` or
   ``--diffusion-timesteps``), σ_0 = 1 > ... > σ_{S−1} > σ_S = 0; the model's timestep is ``t_k = σ_k · 1000``.
@@ -244,7 +244,7 @@ def needs_negative(args: Any, guidance_scale: float | None = None) -> bool:
 
     True when the student rollout runs CFG (``guidance_scale``, default ``--diffusion-guidance-scale``, is not 1) or
     when ``--loss-type dmd2`` scores with teacher CFG (``--dmd2-teacher-guidance-scale > 1``), even though the
-    student's own rollout is unguided (closes the seeds' known gap), and when ``--sft-uncond-prob > 0``.
+    student's own rollout is unguided (seed [DMD2 4/7] left this open), and when ``--sft-uncond-prob > 0``.
     """
     if guidance_scale is None:
         guidance_scale = getattr(args, "diffusion_guidance_scale", 1.0)

@@ -62,7 +62,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-num-gpus",
         type=int,
         default=0,
-        help="Devices of the rollout engine's own bundle; 0 colocates the engine with the trainers.",
+        help="One-device bundles reserved for the rollout engine (it runs on the first); 0 colocates it with the trainers.",
     )
     group.add_argument(
         "--ray-address", type=str, default=None, help="Ray cluster to join; default starts a local one."
@@ -99,7 +99,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         default="float32",
         choices=("float32", "bfloat16"),
-        help="Parameter and compute dtype of the trainers and the engine.",
+        help="Compute dtype of the trainers' FSDP forward/backward; parameters, optimizer and engine stay float32.",
     )
 
 
@@ -260,7 +260,12 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
     group.add_argument("--wandb-project", type=str, default="miles", help="W&B project name.")
-    group.add_argument("--wandb-run-name", type=str, default=None, help="W&B run name; default: W&B picks one.")
+    group.add_argument(
+        "--wandb-run-name",
+        type=str,
+        default=None,
+        help="W&B run name prefix (each job adds -<role>); default: the --output-dir name.",
+    )
     group.add_argument(
         "--wandb-mode", type=str, default="offline", choices=("offline", "online"), help="online needs a login."
     )
@@ -497,7 +502,7 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         _reject(
             "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path "
-            "(and usually --custom-expand-samples-to-train-pairs-path)"
+            "(and the converter, --custom-expand-samples-to-train-pairs-path)"
         )
     if args.custom_expand_samples_to_train_pairs_path is None:
         _reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
@@ -546,6 +551,12 @@ def validate_number_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 0:
             _reject(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    if args.fsdp_flow_shift is None or args.fsdp_flow_shift <= 0:
+        _reject(f"--fsdp-flow-shift must be > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
+    if args.loss_type == "dmd2" and args.sft_uncond_prob > 0:
+        _reject(
+            "--sft-uncond-prob trains SFT's unconditional velocity; it has no use under --loss-type dmd2: remove it"
+        )
     if args.diffusion_flow_shift <= 0:
         _reject(f"--diffusion-flow-shift must be > 0 (e.g. 3.0), got {args.diffusion_flow_shift}")
     if args.eval_n_samples_per_prompt < 1:

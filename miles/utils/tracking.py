@@ -58,7 +58,7 @@ class MetricsTracker:
             project=getattr(args, "wandb_project", "miles"),
             group=Path(args.output_dir).resolve().name,
             job_type=job,
-            name=f"{Path(args.output_dir).resolve().name}-{job}",
+            name=f"{getattr(args, 'wandb_run_name', None) or Path(args.output_dir).resolve().name}-{job}",
             dir=str(args.output_dir),
             mode=mode,
             config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},

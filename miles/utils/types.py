@@ -31,7 +31,8 @@ class DenoisingEnv:
     Attributes:
         pos_cond: the prompt's cond kwargs, tensors without a batch dim.
         neg_cond: the negative prompt's cond kwargs, or ``{}`` when no consumer needs it. The engine fills it
-            whenever the student rollout or the DMD2 teacher runs CFG (guidance > 1).
+            whenever the student rollout or the DMD2 teacher runs CFG (guidance > 1), and for SFT conditioning
+            dropout (``--sft-uncond-prob > 0``).
         guidance_scale: CFG scale of the student rollout, 1 = no CFG.
     """
 

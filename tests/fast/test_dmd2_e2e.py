@@ -1,4 +1,4 @@
-"""DMD2 end to end through ``train_diffusion.main`` on a tiny random SD3 pipeline (issue 5).
+"""DMD2 end to end through ``train_diffusion.main`` on a tiny random SD3 pipeline.
 
 One pipeline directory is the student's init, the frozen teacher and the critic's init at once, so the run also
 checks that nothing writes into the teacher: the export hard-links the pipeline's files. 2 DP ranks on CPU, critic

@@ -30,7 +30,7 @@ def engine(pipeline):
 
 
 def hand_loop(engine, prompts, indices, rollout_id, rule, guidance=1.0):
-    """DESIGN.md §4 written out: x̂0 = x − σ·v; dmd2 re-noises with fresh noise, euler steps the ODE."""
+    """The step rules of docs/architecture.md written out: x̂0 = x − σ·v; dmd2 re-noises with fresh noise, euler steps the ODE."""
     family, model = engine.family, engine.denoiser
     cond = family.encode_prompts(engine.encoder, prompts)
     neg = family.encode_prompts(engine.encoder, [""] * len(prompts))

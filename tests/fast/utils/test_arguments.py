@@ -321,3 +321,12 @@ def test_dmd2_load_needs_the_critic_checkpoint_of_the_same_rollout(tmp_path):
     assert "write 1 into the newer one's 'latest' file" in message
     (tmp_path / "ckpt_critic" / "latest").write_text("1\n")  # the fix the message asks for
     validate_inputs(_validate(argv), check_paths=False)
+
+
+def test_flow_shift_must_be_positive_and_uncond_dropout_is_sft_only():
+    assert "--fsdp-flow-shift must be > 0" in _rejected(
+        [*BASE, "--rollout-batch-size", "2", "--fsdp-flow-shift", "-1"]
+    )
+    dmd2 = ["--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "5"]
+    assert "--sft-uncond-prob" in _rejected([*BASE, *dmd2, "--sft-uncond-prob", "0.1"])
+    assert _validate([*BASE, "--rollout-batch-size", "2", "--sft-uncond-prob", "0.1"]).sft_uncond_prob == 0.1

@@ -1,4 +1,4 @@
-"""The shifted σ grid shared by the engine and the trainer (DESIGN.md §4)."""
+"""The shifted σ grid shared by the engine and the trainer (docs/architecture.md)."""
 
 import pytest
 import torch

@@ -74,7 +74,7 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
 
 def _reshard(models: list[nn.Module]) -> None:
     # An FSDP2 root keeps its parameters unsharded after a no_grad forward (no backward reshards it), so a frozen
-    # teacher or a scored critic would hold full weights through sleep; EMAOptimizer.use_weights does the same.
+    # teacher or a scored critic would hold full weights through sleep.
     for model in models:
         reshard = getattr(model, "reshard", None)
         if callable(reshard):
