@@ -74,9 +74,10 @@ def load_eval_records(args) -> list[dict]:
 
 
 def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
-    """Every ``--eval-interval`` rollouts: sample the eval prompts with the engine's current student, save the
-    images as a PNG grid under ``<output-dir>/eval/``, score them with ``--eval-function-path`` and log the figures as
-    ``eval/<name>`` (and the grid as wandb media with ``--use-wandb``)."""
+    """Every ``--eval-interval`` rollouts: sample the eval prompts with the engine's current student, score them with
+    ``--eval-function-path`` and log the figures as ``eval/<name>``. The PNG grid ``<output-dir>/eval/rollout_<id>.png``
+    is the hook's own if it writes one there, else the images tiled in order; it is logged as wandb media with
+    ``--use-wandb``."""
     if not should_evaluate(args, rollout_id):
         return
     import ray
@@ -88,11 +89,15 @@ def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
     prompts = [record[args.input_key] for record in records]
     # Fixed sample indices: every evaluation of a run starts from the same noise, so the grids are comparable.
     images = ray.get(rollout_manager.evaluate.remote(prompts, list(range(len(prompts)))))
-    grid = save_image_grid(images, Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png", per_row=10)
+    grid = Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png"
+    grid.unlink(missing_ok=True)  # a resumed run's earlier grid must not stand in for this one
     metrics = {}
     if args.eval_function_path:
         hook = load_function(args.eval_function_path)
         metrics = {f"eval/{key}": value for key, value in hook(args, images, records, rollout_id).items()}
+    if not grid.exists():
+        # The hook may draw its own grid there (the digits hook labels one row per digit); else tile the images.
+        save_image_grid(images, grid, per_row=10)
     tracker.log(metrics, rollout_id, images={"eval/samples": grid})
     logger.info("eval after rollout %d: %s (grid %s)", rollout_id, metrics, grid)
 
