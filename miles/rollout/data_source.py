@@ -15,8 +15,17 @@ import numpy as np
 import torch
 
 from miles.utils.misc import make_generator
+from miles.utils.types import PromptShard
 
-__all__ = ["JsonlPromptSource", "load_image", "load_image_latent"]
+__all__ = [
+    "JsonlPromptSource",
+    "load_image",
+    "load_image_latent",
+    "load_latent_file",
+    "load_record_latent",
+    "make_prompt_shard",
+    "split_prompts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +191,114 @@ def load_image_latent(
             f"{tuple(expected_shape)}; resize the image to the pipeline's sample size"
         )
     return latent
+
+
+def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
+    """A stored latent ``(C, H, W)`` as float32: a ``.safetensors`` file with one tensor (or a tensor named
+    ``latent``), or a float ``.npy`` array.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3.
+    """
+    prefix = f"{where}: " if where else ""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{prefix}latent file {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{prefix}latent file {path} is not a readable safetensors file ({exc})") from exc
+        if "latent" in tensors:
+            latent = tensors["latent"]
+        elif len(tensors) == 1:
+            latent = next(iter(tensors.values()))
+        else:
+            raise ValueError(f"{prefix}latent file {path} holds {sorted(tensors)}; name the latent tensor 'latent'")
+    elif path.suffix == ".npy":
+        array = np.load(path)
+        if array.dtype.kind != "f":
+            raise ValueError(f"{prefix}latent file {path} holds {array.dtype} values; a latent is a float array")
+        latent = torch.from_numpy(array)
+    else:
+        raise ValueError(f"{prefix}latent file {path} must be .safetensors or .npy")
+    if latent.ndim != 3:
+        raise ValueError(f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W)")
+    return latent.float()
+
+
+def load_record_latent(
+    args: Any,
+    family: Any,
+    record: dict[str, Any],
+    base_dir: str | Path,
+    expected_shape: tuple[int, ...] | None = None,
+    where: str | None = None,
+) -> torch.Tensor:
+    """A data record's clean latent, float32 ``(C, H, W)``: its ``--latent-key`` file when it has one (already in
+    latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
+    ``--image-key`` image turned into a latent by the family.
+
+    Raises:
+        ValueError / FileNotFoundError: naming ``where``, for a record with neither field, a bad file or a latent
+            of another shape than ``expected_shape``.
+    """
+    latent_key = getattr(args, "latent_key", "latent")
+    image_key = getattr(args, "image_key", "image")
+    prefix = f"{where}: " if where else ""
+    if isinstance(record.get(latent_key), str):
+        latent = load_latent_file(Path(base_dir) / record[latent_key], where=where or "")
+        if expected_shape is not None and tuple(latent.shape) != tuple(expected_shape):
+            raise ValueError(
+                f"{prefix}latent {record[latent_key]} has shape {tuple(latent.shape)} but the model takes "
+                f"{tuple(expected_shape)}; encode the images with this pipeline's VAE at its sample size"
+            )
+        return latent
+    if image_key not in record:
+        raise ValueError(
+            f"{prefix}record has neither an image under --image-key {image_key!r} nor a latent file under "
+            f"--latent-key {latent_key!r}"
+        )
+    return load_image_latent(family, record[image_key], base_dir, expected_shape=expected_shape, where=where)
+
+
+def make_prompt_shard(
+    rollout_id: int | str,
+    records: list[dict[str, Any]],
+    *,
+    input_key: str,
+    n_samples_per_prompt: int = 1,
+    first_prompt_index: int = 0,
+    base_dir: str | Path = ".",
+) -> PromptShard:
+    """The ``PromptShard`` of ``records`` (one per prompt), each repeated for its ``n_samples_per_prompt`` samples;
+    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``."""
+    n = n_samples_per_prompt
+    return PromptShard(
+        rollout_id=rollout_id,
+        sample_indices=[(first_prompt_index + p) * n + j for p in range(len(records)) for j in range(n)],
+        prompts=[str(record[input_key]) for record in records for _ in range(n)],
+        records=[record for record in records for _ in range(n)],
+        base_dir=str(base_dir),
+    )
+
+
+def split_prompts(num_prompts: int, parts: int) -> list[range]:
+    """Contiguous equal ranges of prompt positions, one per part (DP rank).
+
+    Raises:
+        ValueError: if ``num_prompts`` is not a multiple of ``parts``; nothing is ever dropped.
+    """
+    if parts < 1:
+        raise ValueError(f"cannot split prompts into {parts} parts")
+    if num_prompts % parts:
+        raise ValueError(
+            f"{num_prompts} prompts do not split evenly over {parts} DP ranks: make --rollout-batch-size a multiple "
+            "of the DP size (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    size = num_prompts // parts
+    return [range(part * size, (part + 1) * size) for part in range(parts)]

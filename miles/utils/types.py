@@ -10,7 +10,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Box", "DenoisingEnv", "DiTTrajectory", "Sample", "TrainPair", "collate_cond"]
+__all__ = [
+    "Box",
+    "DenoisingEnv",
+    "DiTTrajectory",
+    "PromptShard",
+    "RolloutResult",
+    "Sample",
+    "TrainPair",
+    "TrainResult",
+    "collate_cond",
+]
 
 
 @dataclass
@@ -22,6 +32,63 @@ class Box:
     """
 
     inner: Any
+
+
+@dataclass
+class PromptShard:
+    """One DP rank's share of a rollout, as the RolloutManager hands it out: what to generate, not the samples.
+
+    A prompt's ``--n-samples-per-prompt`` samples stay together in one shard; position p describes sample
+    ``sample_indices[p]`` (``prompt_index · n_samples_per_prompt + j``).
+
+    Attributes:
+        rollout_id: the rollout (or ``"eval"`` for evaluation draws); keys the noise seeds.
+        sample_indices: the samples' indices within the rollout, ascending.
+        prompts: the prompt text of each sample.
+        records: each sample's data-source record (the JSONL object: prompt, label, image or latent, cached cond).
+        base_dir: the directory that relative paths in the records (images, latents, cached cond) resolve against.
+    """
+
+    rollout_id: int | str
+    sample_indices: list[int]
+    prompts: list[str]
+    records: list[dict[str, Any]]
+    base_dir: str = "."
+
+    def __len__(self) -> int:
+        return len(self.sample_indices)
+
+
+@dataclass
+class RolloutResult:
+    """What one generating process (an actor rank, or an engine replica per DP rank) returns of a rollout.
+
+    Attributes:
+        pairs: ``Box(ray.put(list[TrainPair]))`` for the paired rank of every trainer group.
+        num_pairs: how many pairs the box holds.
+        perf: in-process timers in seconds (``perf/<role>-generate_time``).
+    """
+
+    pairs: Box
+    num_pairs: int
+    perf: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    """What one rank of a trainer group returns from a rollout's train (small: the payload stays in the store).
+
+    Attributes:
+        output: ``Box(ray.put(value))`` of the group's train-output hook (None without the hook); rank i of every
+            later group reads it as ``ctx.external_data[role]``.
+        metrics: one dict per optimizer step, averaged over the DP ranks (``train/...`` keys; rank 0 only, ``[]``
+            on the others).
+        perf: in-worker timers of this rollout in seconds (``perf/<role>-...`` keys; rank 0 only).
+    """
+
+    output: Box
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    perf: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""The cond kwargs of a rollout's prompts: read from a prompt cache, or encoded by the family's text encoder.
+
+A prompt cache stores each prompt's cond once, offline, so that no text encoder (SD3's T5-XXL is 4.7B parameters)
+has to sit on the training devices. A cached record names its file under ``--cond-key`` (default ``cond``), a path
+relative to the JSONL file::
+
+    {"prompt": "a red fox in the snow", "cond": "cond/3f2a….safetensors"}
+
+and the file holds the family's cond kwargs for that prompt without a batch dimension (for SD3
+``encoder_hidden_states (L, D)`` and ``pooled_projections (P,)``). The negative prompt's cond comes from
+``--negative-cond`` (a file of the same kind) or is encoded from ``--negative-prompt``. ``python -m
+miles.rollout.prompt_cache`` writes such a cache for any family.
+
+Records without a cached cond are encoded by the family's text encoder, loaded on first use in the process that
+needs it (each DP rank encodes its own shard).
+"""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PromptConditioner", "load_cond_file"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_cond_file(path: str | Path, where: str = "") -> dict[str, torch.Tensor]:
+    """Read one prompt's cond kwargs from a ``.safetensors`` file as float32 CPU tensors (no batch dim).
+
+    Raises:
+        FileNotFoundError: if the file does not exist (the message starts with ``where``).
+        ValueError: if it is not a readable safetensors file or holds no tensor.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    prefix = f"{where}: " if where else ""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{prefix}cached cond file {path} does not exist")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{prefix}cached cond file {path} is not a readable safetensors file ({exc})") from exc
+    if not tensors:
+        raise ValueError(f"{prefix}cached cond file {path} holds no tensor")
+    return {key: value.float() for key, value in tensors.items()}
+
+
+class PromptConditioner:
+    """Gives batched cond kwargs for shards of records, and the negative prompt's cond.
+
+    Args:
+        args: reads ``cond_key``, ``negative_cond``, ``negative_prompt``.
+        family: the pipeline's model family (``load_text_encoder``, ``encode_prompts``).
+        pipeline_path: the pipeline whose text encoder encodes uncached prompts.
+        device: where the text encoder runs.
+    """
+
+    def __init__(self, args: Any, family: Any, pipeline_path: str | Path, device: str | torch.device = "cpu") -> None:
+        self.args = args
+        self.family = family
+        self.pipeline_path = pipeline_path
+        self.device = device
+        self.cond_key = getattr(args, "cond_key", "cond")
+        self._encoder = None
+        self._negative: dict[str, torch.Tensor] | None = None
+
+    @property
+    def encoder(self):
+        """The family's text encoder, loaded on first use."""
+        if self._encoder is None:
+            self._encoder = self.family.load_text_encoder(self.pipeline_path, device=self.device)
+        return self._encoder
+
+    def cond(self, prompts: list[str], records: list[dict], base_dir: str | Path = ".") -> dict[str, torch.Tensor]:
+        """Batched cond kwargs ``{name: (B, ...)}`` (float32, CPU) of B prompts, in order.
+
+        A record that names a cached file under ``--cond-key`` is read from it; the others are encoded together.
+
+        Raises:
+            ValueError: if cached and encoded conds disagree on keys or shapes (a cache written for another
+                pipeline), or as :func:`load_cond_file`.
+        """
+        rows: list[dict[str, torch.Tensor] | None] = [None] * len(prompts)
+        to_encode = []
+        for position, record in enumerate(records):
+            cached = record.get(self.cond_key) if isinstance(record, dict) else None
+            if isinstance(cached, str):
+                rows[position] = load_cond_file(Path(base_dir) / cached, where=f"prompt {prompts[position]!r}")
+            else:
+                to_encode.append(position)
+        if len(to_encode) == len(prompts):
+            return self.family.encode_prompts(self.encoder, list(prompts))
+        if to_encode:
+            encoded = self.family.encode_prompts(self.encoder, [prompts[p] for p in to_encode])
+            for row, position in enumerate(to_encode):
+                rows[position] = {key: value[row] for key, value in encoded.items()}
+        return _stack_rows(rows)
+
+    def negative(self) -> dict[str, torch.Tensor]:
+        """The negative prompt's cond kwargs, one row without a batch dim: from ``--negative-cond`` when given,
+        else ``--negative-prompt`` encoded by the text encoder. Computed once per process."""
+        if self._negative is None:
+            path = getattr(self.args, "negative_cond", None)
+            if path:
+                self._negative = load_cond_file(path, where="--negative-cond")
+            else:
+                text = getattr(self.args, "negative_prompt", "")
+                encoded = self.family.encode_prompts(self.encoder, [text])
+                # clone: a view would pickle the whole batch storage into every train pair
+                self._negative = {key: value[0].clone() for key, value in encoded.items()}
+        return self._negative
+
+
+def _stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    keys = set(rows[0])
+    for row in rows[1:]:
+        if set(row) != keys:
+            raise ValueError(
+                f"cached cond keys {sorted(row)} differ from {sorted(keys)}; was the prompt cache written for "
+                "this pipeline?"
+            )
+    try:
+        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    except RuntimeError as exc:
+        raise ValueError(f"cached cond shapes differ within a batch ({exc}); rewrite the prompt cache") from exc
