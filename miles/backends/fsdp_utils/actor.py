@@ -1,26 +1,35 @@
 """``FSDPTrainRayActor``: one data-parallel rank of a trainer group (the actor, the DMD2 critic, ...).
 
 The class is role-agnostic: the group's args (after its ``TrainerConfig`` overrides) say which checkpoint to train,
-which frozen teacher to hold and which hooks carry the algorithm. One rollout's train, per rank::
+which frozen teacher to hold and which hooks carry the algorithm. The actor (student) group also generates the
+rollouts: each rank samples its own shard on its own FSDP module, so nothing crosses processes but train pairs.
 
-    shard = ray.get(rollout_box.inner)                       # list[TrainPair], this rank's exact DP split
-    shard = train_input_hook(ctx, shard)                     # optional
-    for window in split(shard, num_steps_per_rollout):       # one optimizer step per window
-        for micro_batch in split(window, micro_batch_size):
-            prepared = prepare_hook(ctx, micro_batch)
-            new_pred = ctx.predict_velocity(models[prepared.component], ...)
-            (loss_hook(ctx, micro_batch, prepared, new_pred=new_pred, metrics=m) / len(window)).backward()
-        clip_grad_norm_; optimizer.step(); scheduler.step()
-    output = train_output_hook(ctx, shard)                   # optional, no grad; handed to later groups
-    return Box(ray.put(output))
+One rollout, per rank::
+
+    generate (actor group):  shard = ray.get(prompt_box.inner)             # this rank's prompts
+                             samples = engine.generate(shard)              # no_grad, on the student itself
+                             pairs = converter(args, samples)              # --custom-expand-...-path
+                             return Box(ray.put(pairs))                    # for the paired rank of every group
+    train (every group):     pairs = ray.get(pairs_box.inner)              # the actor keeps its own in memory
+                             pairs = train_input_hook(ctx, pairs)          # optional
+                             for window in split(pairs, num_steps_per_rollout):      # one optimizer step each
+                                 for micro_batch in split(window, micro_batch_size):
+                                     prepared = prepare_hook(ctx, micro_batch)
+                                     new_pred = ctx.predict_velocity(models[prepared.component], ...)
+                                     (loss_hook(ctx, micro_batch, prepared, new_pred=..., metrics=m) / len(window)).backward()
+                                 clip_grad_norm_; optimizer.step(); scheduler.step()
+                             output = train_output_hook(ctx, pairs)        # optional, no grad; later groups read it
+                             return TrainResult(Box(ray.put(output)), per-step metrics averaged over ranks, timers)
 
 The class is a plain Python class; ``RayTrainGroup`` turns it into a Ray actor.
 """
 
+import contextlib
 import logging
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +44,22 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
-from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, resolve_dtype
+from miles.backends.fsdp_utils.model import (
+    compute_context,
+    gathered_for_inference,
+    load_frozen_denoiser,
+    load_trainable_denoiser,
+    reshard,
+    resolve_dtype,
+)
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.sleep import SleepController
+from miles.models.base import read_scheduler_config
+from miles.rollout.conditioning import PromptConditioner
+from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
+from miles.utils.log import setup_logging
 from miles.utils.misc import load_function
-from miles.utils.tracking import MetricsTracker
-from miles.utils.types import Box, TrainPair
+from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
 
 __all__ = ["FSDPTrainRayActor", "TrainHooks", "load_hooks", "metric_key", "split_windows"]
 
@@ -103,9 +122,8 @@ def split_windows(pairs: list, num_windows: int, micro_batch_size: int) -> list[
         raise ValueError("this rank's rollout shard is empty; check --rollout-batch-size against the DP size")
     if len(pairs) % num_windows:
         raise ValueError(
-            f"{len(pairs)} train pairs per rank do not split into {num_windows} optimizer steps "
-            "(--num-steps-per-rollout, or --dmd2-critic-steps-per-rollout for the critic); make the per-rank pair "
-            "count a multiple of it"
+            f"{len(pairs)} train pairs per rank do not split into {num_windows} equal optimizer steps of this "
+            "group; make the per-rank pair count a multiple of its steps per rollout"
         )
     size = len(pairs) // num_windows
     windows = [pairs[i * size : (i + 1) * size] for i in range(num_windows)]
@@ -144,7 +162,16 @@ class FSDPTrainRayActor:
         """This node's IP and a free TCP port, for the group's ``init_process_group`` (called on rank 0)."""
         return ray.util.get_node_ip_address(), _free_port()
 
-    def init(self, args, role: str, master_addr: str, master_port: int, rank: int, world_size: int) -> int:
+    def init(
+        self,
+        args,
+        role: str,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        num_threads: int | None = None,
+    ) -> int:
         """Join the group's process group, load and shard the models, build the optimizer, resume if asked.
 
         Args:
@@ -152,6 +179,8 @@ class FSDPTrainRayActor:
             role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
             master_addr, master_port: rank 0's address (``get_master_addr_and_port``).
             rank, world_size: this rank and the group's data-parallel size.
+            num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle (the groups of a
+                bundle train one at a time, so each may use all of them).
 
         Returns:
             The first rollout id to train: 0, or the loaded checkpoint's id + 1 with ``--load``.
@@ -160,8 +189,10 @@ class FSDPTrainRayActor:
             ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``
                 (raised on every rank before any collective), or on ``--load`` without a checkpoint.
         """
-        logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s: %(message)s")
+        setup_logging(getattr(args, "log_level", "INFO"), worker=True)
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
         # Hooks first: a bad path fails on every rank alike, before anyone waits in a collective.
         self.hooks = load_hooks(args)
         before = getattr(args, "train_output_before_step", None)
@@ -183,7 +214,14 @@ class FSDPTrainRayActor:
 
         self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
         self.dtype = resolve_dtype(args.train_dtype)
-        self.model = load_trainable_denoiser(self.family, args.hf_checkpoint, self.mesh, self.device, self.dtype)
+        self.model = load_trainable_denoiser(
+            self.family,
+            args.hf_checkpoint,
+            self.mesh,
+            self.device,
+            self.dtype,
+            gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+        )
         self.teacher_models = {}
         if getattr(args, "teacher_load", None):
             self.teacher_models[TRANSFORMER] = load_frozen_denoiser(
@@ -192,15 +230,135 @@ class FSDPTrainRayActor:
         self.optimizer = build_optimizer([self.model], args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
         self.sleeper = SleepController([self.model, *self.teacher_models.values()], self.optimizer, self.device)
+        self._engine: RolloutEngine | None = None
+        self._converter: Callable | None = None
+        # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
+        self._generated: tuple[int, str, list[TrainPair]] | None = None
 
         start_rollout_id = 0
         if getattr(args, "load", None):
             start_rollout_id = checkpoint.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler) + 1
-        self.tracker = MetricsTracker(args, job=role) if rank == 0 else None
-        logger.info(
+        logger.debug(
             "%s rank %d/%d ready on %s, starting at rollout %d", role, rank, world_size, self.device, start_rollout_id
         )
         return start_rollout_id
+
+    def describe(self) -> dict[str, Any]:
+        """Rank 0's start-up summary for the driver's one line per group: device, parameters, memory held."""
+        trainable = sum(p.numel() for p in self.model.parameters())
+        frozen = sum(p.numel() for model in self.teacher_models.values() for p in model.parameters())
+        return {
+            "device": str(self.device),
+            "trainable_parameters": trainable,
+            "frozen_parameters": frozen,
+            "sharded": self.world_size > 1,
+            "bytes": self.memory_bytes(),
+        }
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: trainable parameters (its shards), their gradients, optimizer state, frozen models."""
+
+        def local(tensor: torch.Tensor) -> int:
+            tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return tensor.numel() * tensor.element_size()
+
+        params = [p for p in self.model.parameters()]
+        optim = sum(
+            local(value)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return {
+            "parameters": sum(local(p) for p in params),
+            "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+            "optimizer": optim,
+            "frozen": sum(local(p) for model in self.teacher_models.values() for p in model.parameters()),
+        }
+
+    # -- rollouts ------------------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine on this rank's own student (built on first use; its text encoder loads lazily)."""
+        if self._engine is None:
+            args = self.args
+            conditioner = PromptConditioner(args, self.family, args.hf_checkpoint, device=self.device)
+            self._engine = RolloutEngine(
+                args,
+                self.family,
+                self.model,
+                conditioner,
+                self.family.latent_shape(args.hf_checkpoint),
+                read_scheduler_config(args.hf_checkpoint)["num_train_timesteps"],
+            )
+        return self._engine
+
+    def _all_reduce_max(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def _student_inference(self):
+        """The context of a no-grad use of the student: gathered once (FSDP), in the compute dtype."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(gathered_for_inference(self.model))
+        stack.enter_context(compute_context(self.model, self.dtype, self.device))
+        return stack
+
+    def generate(self, rollout_id: int, shard_box: Box) -> RolloutResult:
+        """Collective: generate this rank's shard of rollout ``rollout_id`` and convert it to train pairs.
+
+        With ``--train-only`` the shard's records are data samples (their images or latents); otherwise the
+        rollout engine samples them on this rank's student. The converter (``--custom-expand-samples-to-train-pairs
+        -path``) runs here; its pairs stay in this process for the rank's own train and are put in the object store
+        once for the paired ranks of the other groups.
+
+        Returns:
+            ``RolloutResult`` with ``Box(ray.put(pairs))``, the pair count and ``perf/<role>-generate_time``.
+
+        Raises:
+            ValueError: on a bad converter path or output, or when the ranks' pair counts differ.
+        """
+        start = time.perf_counter()
+        args = self.args
+        shard: PromptShard = ray.get(shard_box.inner)
+        if args.train_only:
+            samples = data_samples(
+                args, self.family, self.engine.conditioner, shard, self.family.latent_shape(args.hf_checkpoint)
+            )
+        else:
+            self.model.eval()
+            try:
+                with self._student_inference():
+                    samples = self.engine.generate(shard, sync_last_step=self._all_reduce_max)
+            finally:
+                self.model.train()
+        if self._converter is None:
+            self._converter = load_function(args.custom_expand_samples_to_train_pairs_path)
+        pairs = convert_samples(args, self._converter, samples)
+        self._check_equal_counts(len(pairs), "the converter (--custom-expand-samples-to-train-pairs-path)")
+        box = Box(ray.put(pairs))
+        self._generated = (rollout_id, box.inner.hex(), pairs)
+        return RolloutResult(
+            pairs=box, num_pairs=len(pairs), perf={f"perf/{self.role}-generate_time": time.perf_counter() - start}
+        )
+
+    def evaluate(
+        self, shard: PromptShard, num_steps: int | None = None, guidance_scale: float | None = None
+    ) -> torch.Tensor:
+        """Collective: full-trajectory samples of this rank's eval shard with the student: uint8 ``(B, H, W, C)``.
+
+        ``num_steps`` / ``guidance_scale`` default to ``--diffusion-num-steps`` / ``--diffusion-guidance-scale``.
+        Every rank must get a shard of the same size (the group pads).
+        """
+        self.model.eval()
+        try:
+            with self.sleeper.awake(), self._student_inference():
+                latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
+        finally:
+            self.model.train()
+        return self.family.latents_to_images(latents)
 
     # -- training ------------------------------------------------------------------------------------------------
     def _context(self, rollout_id: int, external_data: dict[str, Any], microbatch_id: int) -> TrainContext:
@@ -222,30 +380,38 @@ class FSDPTrainRayActor:
         # Hooks may run any model without grad (the DMD2 scoring, a teacher in prepare); FSDP2 then leaves the root
         # unsharded. No-op for modules that are already sharded.
         for model in [self.model, *self.teacher_models.values()]:
-            model.reshard()
+            reshard(model)
 
-    def _check_equal_counts(self, num_pairs: int) -> None:
+    def _check_equal_counts(self, num_pairs: int, source: str = "the train-input hook") -> None:
         """Every rank must run the same number of micro-batches, or the FSDP collectives would hang."""
         counts = torch.tensor([num_pairs, -num_pairs], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         largest, smallest = int(counts[0]), -int(counts[1])
         if largest != smallest:
             raise ValueError(
-                f"{self.role} ranks hold different numbers of train pairs ({smallest}..{largest}) after the "
-                "train-input hook; the hook must keep every rank's count equal"
+                f"{self.role} ranks hold different numbers of train pairs ({smallest}..{largest}) after {source}; "
+                "it must keep every rank's count equal"
             )
 
-    def train(self, rollout_id: int, rollout_data_ref: Box, external_data: dict[str, Box] | None = None) -> Box:
-        """Train on this rank's shard of one rollout.
+    def _pairs(self, rollout_id: int, pairs_box: Box) -> list[TrainPair]:
+        generated = self._generated
+        if generated is not None and generated[0] == rollout_id and generated[1] == pairs_box.inner.hex():
+            return generated[2]
+        return ray.get(pairs_box.inner)
+
+    def train(self, rollout_id: int, pairs_box: Box, external_data: dict[str, Box] | None = None) -> TrainResult:
+        """Train on this rank's pairs of one rollout.
 
         Args:
             rollout_id: the rollout's id (seeds the hooks' random draws).
-            rollout_data_ref: ``Box(ObjectRef)`` of this rank's ``list[TrainPair]``.
+            pairs_box: ``Box(ObjectRef)`` of this rank's ``list[TrainPair]`` (``generate``'s output of the paired
+                actor rank).
             external_data: ``{role: Box(ObjectRef)}``, the same-rank train outputs of earlier groups this rollout;
                 exposed to the hooks resolved, as ``ctx.external_data[role]``.
 
         Returns:
-            ``Box(ray.put(output))``, the train-output hook's value (None without the hook).
+            ``TrainResult``: the train-output hook's value boxed (None without the hook), and on rank 0 the
+            per-step metrics averaged over the ranks and this rollout's in-worker timers.
 
         Raises:
             RuntimeError: if the group is asleep (the driver wakes it before training).
@@ -255,24 +421,38 @@ class FSDPTrainRayActor:
         if self.sleeper.asleep:
             raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
         args = self.args
-        pairs: list[TrainPair] = ray.get(rollout_data_ref.inner)
+        pairs = self._pairs(rollout_id, pairs_box)
         external = {role: ray.get(box.inner) for role, box in (external_data or {}).items()}
         if self.hooks.train_input is not None:
             pairs = self.hooks.train_input(self._context(rollout_id, external, 0), pairs)
-        self._check_equal_counts(len(pairs))
+            self._check_equal_counts(len(pairs))
         windows = split_windows(pairs, args.num_steps_per_rollout, args.micro_batch_size)
         micro_batches_per_window = len(windows[0])
 
+        timers = {"train_steps_time": 0.0, "train_output_time": 0.0}
         output, output_done = None, self.hooks.train_output is None
         before = getattr(args, "train_output_before_step", None)
+        step_metrics = []
         for window_index, window in enumerate(windows):
             if not output_done and before == window_index:
-                output, output_done = self._train_output(rollout_id, external, pairs), True
-            metrics = self._train_window(rollout_id, external, window, window_index * micro_batches_per_window)
-            self._log(rollout_id, metrics)
+                output = self._timed(timers, "train_output_time", self._train_output, rollout_id, external, pairs)
+                output_done = True
+            first = window_index * micro_batches_per_window
+            metrics = self._timed(timers, "train_steps_time", self._train_window, rollout_id, external, window, first)
+            step_metrics.append(metrics)
         if not output_done:
-            output = self._train_output(rollout_id, external, pairs)
-        return Box(ray.put(output))
+            output = self._timed(timers, "train_output_time", self._train_output, rollout_id, external, pairs)
+        metrics = self._reduce_metrics(step_metrics)
+        perf = {f"perf/{self.role}-{name}": seconds for name, seconds in timers.items()} if self.rank == 0 else {}
+        return TrainResult(output=Box(ray.put(output)), metrics=metrics, perf=perf)
+
+    @staticmethod
+    def _timed(timers: dict[str, float], key: str, fn: Callable, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            timers[key] += time.perf_counter() - start
 
     def _train_window(
         self, rollout_id: int, external: dict[str, Any], micro_batches: list[list[TrainPair]], first_microbatch_id: int
@@ -280,7 +460,7 @@ class FSDPTrainRayActor:
         """Forward/backward every micro-batch of one window, then one optimizer step. Returns the window's metrics."""
         window_pairs = sum(len(mb) for mb in micro_batches)
         hook_metrics: dict[str, list[float]] = {}
-        loss_total = 0.0
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self._context(rollout_id, external, first_microbatch_id + j)
             prepared = self.hooks.prepare(ctx, micro_batch)
@@ -289,20 +469,20 @@ class FSDPTrainRayActor:
                 raise ValueError(
                     f"prepare hook asked for component {prepared.component!r}; this group trains {sorted(ctx.models)}"
                 )
-            new_pred = ctx.predict_velocity(
-                ctx.models[prepared.component], prepared.latents, prepared.timestep, prepared.cond
-            )
-            loss_sum = self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics)
+            model = ctx.models[prepared.component]
+            with compute_context(model, self.dtype, self.device):
+                new_pred = ctx.predict_velocity(model, prepared.latents, prepared.timestep, prepared.cond)
+                loss_sum = self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics)
             # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
             (loss_sum / window_pairs).backward()
-            loss_total += float(loss_sum.detach())
+            loss_total += loss_sum.detach().double()
         grad_norm = self._clip_grad_norm()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {
-            "loss": loss_total / window_pairs,
+            "loss": float(loss_total) / window_pairs,
             "grad_norm": grad_norm,
             "lr": lr,
             "step": self.scheduler.last_epoch,
@@ -315,34 +495,40 @@ class FSDPTrainRayActor:
     def _clip_grad_norm(self) -> float:
         """Global L2 norm of the gradients (before clipping); clips to ``--clip-grad`` when it is > 0."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         # Sharded grads give a DTensor norm over this rank's shard; full_tensor() reduces it to the global norm.
         if isinstance(total_norm, DTensor):
             total_norm = total_norm.full_tensor()
         if self.args.clip_grad and self.args.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total_norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total_norm, foreach=True)
         return float(total_norm)
 
     def _train_output(self, rollout_id: int, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
         ctx = self._context(rollout_id, external, 0)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), compute_context(self.model, self.dtype, self.device):
                 return self.hooks.train_output(ctx, pairs)
         finally:
             self._reshard_all()
 
-    def _log(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        """Average ``metrics`` over the DP ranks (every rank calls this) and log them from rank 0."""
-        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, metrics)
-        if self.tracker is None:
-            return
-        names = sorted({name for rank_metrics in gathered for name in rank_metrics})
-        reduced = {}
-        for name in names:
-            values = [rank_metrics[name] for rank_metrics in gathered if name in rank_metrics]
-            reduced[metric_key(self.role, name)] = sum(values) / len(values)
-        self.tracker.log(reduced, rollout_id)
+    def _reduce_metrics(self, step_metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Average each step's metrics over the DP ranks: one gather per rollout, the result on rank 0 only."""
+        if self.world_size > 1:
+            gathered: list[list[dict[str, float]]] | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(step_metrics, gathered, dst=0)
+        else:
+            gathered = [step_metrics]
+        if self.rank != 0:
+            return []
+        reduced = []
+        for steps in zip(*gathered):
+            names = sorted({name for rank_metrics in steps for name in rank_metrics})
+            row = {}
+            for name in names:
+                values = [rank_metrics[name] for rank_metrics in steps if name in rank_metrics]
+                row[metric_key(self.role, name)] = sum(values) / len(values)
+            reduced.append(row)
+        return reduced
 
     # -- weights out -----------------------------------------------------------------------------------------------
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -351,25 +537,30 @@ class FSDPTrainRayActor:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return get_model_state_dict(self.model, options=options)
 
-    def update_weights(self, rollout_manager) -> None:
-        """Collective: gather the full weights; rank 0 hands them to ``rollout_manager.update_weights`` and waits."""
+    def update_weights(self, engines: list) -> None:
+        """Collective: gather the full weights; rank 0 puts them in the object store once and loads them into every
+        engine replica (``--rollout-num-gpus``), waiting for all of them."""
         state_dict = self.get_full_state_dict()
         if self.rank == 0:
-            # A top-level ObjectRef argument reaches the manager resolved, read straight from the object store.
-            ray.get(rollout_manager.update_weights.remote(ray.put(state_dict)))
+            ref = ray.put(state_dict)
+            # A top-level ObjectRef argument reaches each replica resolved, read straight from the object store.
+            ray.get([engine.load_weights.remote(ref) for engine in engines])
         dist.barrier()
 
-    def export_hf(self, out_dir: str) -> str:
+    def export_hf(self, out_dir: str, schedule: dict[str, Any]) -> str:
         """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
 
         The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
         ``save_pretrained`` of an unsharded copy holding the trained weights; its scheduler config records the
-        engine's sampling schedule (``--diffusion-num-steps``, shift, step rule). Written to a temporary sibling and
-        renamed into place, so a crash never leaves a half-written pipeline at ``out_dir``.
+        sampling schedule (:func:`miles.models.sampling_schedule.write_sampling_schedule` with ``schedule``'s
+        keyword arguments). Written to a temporary sibling and renamed into place, so a crash never leaves a
+        half-written pipeline at ``out_dir``.
 
         Returns:
             ``out_dir``.
         """
+        from miles.models.sampling_schedule import write_sampling_schedule
+
         state_dict = self.get_full_state_dict()
         if self.rank == 0:
             src, out = Path(self.args.hf_checkpoint), Path(out_dir)
@@ -381,7 +572,7 @@ class FSDPTrainRayActor:
             model.load_state_dict(state_dict)
             shutil.rmtree(tmp / TRANSFORMER)
             model.save_pretrained(tmp / TRANSFORMER)
-            self._write_sampling_schedule(tmp)
+            write_sampling_schedule(tmp, **schedule)
             if out.exists():
                 stale = out.parent / f".stale_{out.name}"
                 shutil.rmtree(stale, ignore_errors=True)
@@ -393,22 +584,6 @@ class FSDPTrainRayActor:
             logger.info("exported %s pipeline to %s", self.role, out)
         dist.barrier()
         return str(out_dir)
-
-    def _write_sampling_schedule(self, pipeline_dir: Path) -> None:
-        """Record the engine's schedule (the student's, under dmd2) in the export's scheduler config."""
-        from miles.models.sampling_schedule import write_sampling_schedule
-
-        args = self.args
-        timesteps = args.diffusion_timesteps
-        write_sampling_schedule(
-            pipeline_dir,
-            num_steps=len(timesteps) if timesteps else args.diffusion_num_steps,
-            shift=args.diffusion_flow_shift,
-            step_rule=args.diffusion_step_rule,
-            timesteps=timesteps,
-            guidance_scale=args.diffusion_guidance_scale,
-            distilled_guidance_scale=args.dmd2_teacher_guidance_scale if args.loss_type == "dmd2" else None,
-        )
 
     # -- checkpoints and memory ------------------------------------------------------------------------------------
     def save(self, rollout_id: int, data_state: Any = None) -> str:
@@ -431,22 +606,24 @@ class FSDPTrainRayActor:
             )
         return str(path)
 
-    def sleep(self) -> None:
-        """Move model shards and optimizer state to the CPU (no-op when asleep)."""
+    def sleep(self) -> float:
+        """Move model shards and optimizer state to the CPU (no-op when asleep); returns the seconds it took."""
+        start = time.perf_counter()
         self.sleeper.sleep()
+        return time.perf_counter() - start
 
-    def wake_up(self) -> None:
-        """Move them back to the training device (no-op when awake)."""
+    def wake_up(self) -> float:
+        """Move them back to the training device (no-op when awake); returns the seconds it took."""
+        start = time.perf_counter()
         self.sleeper.wake_up()
+        return time.perf_counter() - start
 
     def sleep_state(self) -> str:
         """``"awake"`` or ``"asleep"``."""
         return self.sleeper.state
 
     def shutdown(self) -> None:
-        """Close the tracker and the process group."""
-        if self.tracker is not None:
-            self.tracker.finish()
+        """Close the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,17 +2,35 @@
 
 ``fully_shard`` each transformer block, then the root (torchtitan's ``apply_fsdp``; the blocks are diffusers'
 ``_no_split_modules``): each block's parameters are all-gathered just for its own forward/backward, and the root
-holds what is left (patch/time/text embeddings, the final norm and projection).
+holds what is left (patch/time/text embeddings, the final norm and projection). Activation checkpointing, when
+asked for, is applied per block before sharding (torchtitan applies its ``ModelConverter``s and activation
+checkpointing before ``fully_shard``).
+
+With one DP rank the module is not wrapped at all, as torchtitan does with ``dp_shard = 1``: sharding over one rank
+only adds copies and hooks (a digits step measured 1.7× slower wrapped). Mixed precision then comes from
+``torch.autocast`` instead of FSDP's ``MixedPrecisionPolicy`` (torchtitan's ``maybe_enable_amp``).
 """
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["TRAIN_DTYPES", "resolve_dtype", "shard_model", "load_trainable_denoiser", "load_frozen_denoiser"]
+__all__ = [
+    "TRAIN_DTYPES",
+    "compute_context",
+    "gathered_for_inference",
+    "is_sharded",
+    "load_frozen_denoiser",
+    "load_trainable_denoiser",
+    "reshard",
+    "resolve_dtype",
+    "shard_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +44,23 @@ def resolve_dtype(name: str) -> torch.dtype:
     return TRAIN_DTYPES[name]
 
 
-def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
+def is_sharded(model: nn.Module) -> bool:
+    """True for a ``fully_shard``-ed module."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    compute_dtype: torch.dtype | None,
+) -> nn.Module:
     """Apply ``fully_shard`` to each block, then the root, on the 1-D data-parallel ``mesh``.
 
-    Parameters stay float32 (the master copy the optimizer updates); with a lower ``compute_dtype`` they are
-    all-gathered in that dtype for the forward and gradients are reduced in float32 (``MixedPrecisionPolicy``).
+    Args:
+        compute_dtype: the dtype parameters are all-gathered in for the forward (``MixedPrecisionPolicy``), with
+            gradients reduced in float32; None keeps the parameters' own dtype (a frozen model already stored in
+            the compute dtype).
 
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are sharded DTensors.
@@ -42,37 +72,102 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, com
     return model
 
 
-def _load(family, path: str, mesh: DeviceMesh, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    model = family.load_denoiser(path, dtype=torch.float32)
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unsharded parameter of ``model`` (each FSDP unit's ``reshard`` is not recursive); no-op for a
+    plain module. FSDP2 leaves a root unsharded after a forward without backward, so every ``no_grad`` use of a
+    sharded model ends here, or sleep would move full weights."""
+    for module in _fsdp_modules(model):
+        module.reshard()
+
+
+@contextlib.contextmanager
+def gathered_for_inference(model: nn.Module) -> Iterator[None]:
+    """Keep ``model``'s parameters gathered across the forwards of a block (no-grad generation): one all-gather per
+    unit instead of one per forward. Resharded on exit; no-op for a plain module.
+
+    Only the blocks are switched: FSDP2 already keeps the root gathered after its forward (it expects a backward).
+    """
+    modules = [module for module in _fsdp_modules(model) if module is not model]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_reshard_after_forward(True, recurse=False)
+        reshard(model)
+
+
+def compute_context(model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+    """The context a forward of ``model`` runs in: ``torch.autocast`` to ``compute_dtype`` for an unsharded model
+    trained in low precision (FSDP casts sharded parameters itself), else a no-op."""
+    if is_sharded(model) or compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+
+
+def _load(
+    family,
+    path: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    load_dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    model = family.load_denoiser(path, dtype=load_dtype)
+    if gradient_checkpointing:
+        # diffusers checkpoints each transformer block (torch.utils.checkpoint, non-reentrant); set before sharding
+        # so the recomputation runs inside each block's FSDP unit.
+        model.enable_gradient_checkpointing()
     # fully_shard keeps each parameter's device; moving first lets it shard straight onto the training device.
     model.to(device)
-    return shard_model(model, family.blocks(model), mesh, compute_dtype)
+    if mesh.size() > 1:
+        shard_model(model, family.blocks(model), mesh, compute_dtype)
+    return model
 
 
 def load_trainable_denoiser(
-    family, path: str, mesh: DeviceMesh, device: torch.device, compute_dtype: torch.dtype
+    family,
+    path: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """The trainable denoiser of pipeline ``path`` (``<path>/transformer``), sharded, in train mode, with grads."""
-    model = _load(family, path, mesh, device, compute_dtype)
+    """The trainable denoiser of pipeline ``path``: float32 master weights (the optimizer's), sharded over the mesh
+    when it has more than one rank, in train mode, with grads; activation checkpointing per block if asked."""
+    model = _load(
+        family,
+        path,
+        mesh,
+        device,
+        load_dtype=torch.float32,
+        compute_dtype=compute_dtype,
+        gradient_checkpointing=gradient_checkpointing,
+    )
     model.train()
     model.requires_grad_(True)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info(
-        "loaded trainable denoiser from %s (%d parameters, sharded over %d ranks)", path, n_params, mesh.size()
-    )
+    logger.debug("loaded trainable denoiser from %s (%d parameters, %d ranks)", path, n_params, mesh.size())
     return model
 
 
 def load_frozen_denoiser(
     family, path: str, mesh: DeviceMesh, device: torch.device, compute_dtype: torch.dtype
 ) -> nn.Module:
-    """A frozen denoiser (e.g. ``--teacher-load``): sharded like the trainable one, eval mode, no grads.
+    """A frozen denoiser (e.g. ``--teacher-load``) stored in the compute dtype (no float32 master copy: nothing
+    updates it), sharded like the trainable one, eval mode, no grads.
 
-    Callers run it under ``torch.no_grad`` and must ``reshard()`` it afterwards: FSDP2 leaves a root unsharded after a
-    forward that has no backward.
+    Callers run it under ``torch.no_grad`` and :func:`reshard` it afterwards.
     """
-    model = _load(family, path, mesh, device, compute_dtype)
+    model = _load(family, path, mesh, device, load_dtype=compute_dtype, compute_dtype=None)
     model.eval()
     model.requires_grad_(False)
-    logger.info("loaded frozen denoiser from %s", path)
+    logger.debug("loaded frozen denoiser from %s in %s", path, compute_dtype)
     return model

@@ -20,7 +20,8 @@ def build_optimizer(models: list[nn.Module], args) -> torch.optim.AdamW:
     """AdamW over the trainable parameters of ``models``.
 
     Reads ``--lr``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps`` and ``--weight-decay``. FSDP2 parameters are
-    DTensors; AdamW keeps its state sharded like them.
+    DTensors; AdamW keeps its state sharded like them. The multi-tensor (``foreach``) update is the same math as the
+    per-tensor one (a test pins them to 1e-6).
 
     Raises:
         ValueError: if no parameter requires grad (a frozen model passed as trainable).
@@ -34,8 +35,9 @@ def build_optimizer(models: list[nn.Module], args) -> torch.optim.AdamW:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
-        # foreach over DTensors is fine; fused needs CUDA, and identical CPU/GPU code paths keep tests meaningful.
-        foreach=None,
+        # foreach=None falls back to the per-tensor loop for DTensor parameters (on CPU and CUDA alike): one
+        # dispatch per op per tensor, 20% of a critic rank's time measured here. torchtitan passes foreach=True too.
+        foreach=True,
     )
 
 

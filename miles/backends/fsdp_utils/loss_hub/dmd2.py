@@ -16,14 +16,15 @@ specifies it ([DMD2 4/7] critic group and scoring, [DMD2 5/7] generator loss):
 """
 
 import logging
+from functools import partial
 
 import torch
-from torch import nn
 
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
-from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.backends.fsdp_utils.model import reshard
 from miles.utils.misc import make_generator
+from miles.utils.sampling import FlowNoiseSchedule, guided_velocity, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
@@ -72,15 +73,6 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
     return allowed
 
 
-def _reshard(models: list[nn.Module]) -> None:
-    # An FSDP2 root keeps its parameters unsharded after a no_grad forward (no backward reshards it), so a frozen
-    # teacher or a scored critic would hold full weights through sleep.
-    for model in models:
-        reshard = getattr(model, "reshard", None)
-        if callable(reshard):
-            reshard()
-
-
 def _check_negative_conds(train_pairs: list[TrainPair], guidance_scale: float) -> None:
     missing = [pair.sample_index for pair in train_pairs if not pair.neg_cond]
     if missing:
@@ -90,31 +82,6 @@ def _check_negative_conds(train_pairs: list[TrainPair], guidance_scale: float) -
             f"[{shown}] carry no negative cond; make the engine encode --negative-prompt for dmd2 rollouts, "
             "or set --dmd2-teacher-guidance-scale 1"
         )
-
-
-def _teacher_velocity(
-    ctx: TrainContext,
-    teacher: nn.Module,
-    latents: torch.Tensor,
-    timestep: torch.Tensor,
-    train_pairs: list[TrainPair],
-    guidance_scale: float,
-) -> torch.Tensor:
-    """Teacher velocity with standard CFG ``uncond + w·(cond − uncond)``; one unguided forward when w == 1."""
-    pos_cond = collate_cond([pair.pos_cond for pair in train_pairs])
-    if guidance_scale == 1.0:
-        return ctx.predict_velocity(teacher, latents, timestep, pos_cond)
-    neg_cond = collate_cond([pair.neg_cond for pair in train_pairs])
-    if set(neg_cond) != set(pos_cond):
-        raise ValueError(
-            f"negative cond keys {sorted(neg_cond)} differ from positive cond keys {sorted(pos_cond)}; "
-            "the engine must encode --negative-prompt with the same text encoder as the prompt"
-        )
-    # One forward over [uncond; cond] halves the FSDP all-gathers of two separate forwards.
-    both_cond = {key: torch.cat([neg_cond[key], pos_cond[key]]) for key in pos_cond}
-    velocity = ctx.predict_velocity(teacher, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both_cond)
-    uncond, cond = velocity.float().chunk(2)
-    return uncond + guidance_scale * (cond - uncond)
 
 
 def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair]) -> dict[str, torch.Tensor]:
@@ -174,13 +141,19 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
                 x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
 
-                v_real = _teacher_velocity(ctx, teacher, x_sigma, timestep, chunk, guidance_scale)
-                v_fake = ctx.predict_velocity(critic, x_sigma, timestep, collate_cond([p.pos_cond for p in chunk]))
-                x0_real_parts.append(x_sigma - sigma_b * v_real.float().cpu())
-                x0_fake_parts.append(x_sigma - sigma_b * v_fake.float().cpu())
+                pos_cond = collate_cond([pair.pos_cond for pair in chunk])
+                neg_cond = collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 else None
+                v_real = guided_velocity(
+                    partial(ctx.predict_velocity, teacher), x_sigma, timestep, pos_cond, neg_cond, guidance_scale
+                )
+                v_fake = ctx.predict_velocity(critic, x_sigma, timestep, pos_cond)
+                x0_real_parts.append(x0_from_velocity(x_sigma, sigma_b, v_real.cpu()))
+                x0_fake_parts.append(x0_from_velocity(x_sigma, sigma_b, v_fake.cpu()))
                 sigma_parts.append(sigma)
     finally:
-        _reshard(list(ctx.teacher_models.values()) + list(ctx.models.values()))
+        for model in [*ctx.teacher_models.values(), *ctx.models.values()]:
+            # FSDP2 keeps a root gathered after a no_grad forward; sleep would then move full weights.
+            reshard(model)
 
     logger.debug(
         "rollout %d dp rank %d: scored %d samples (teacher guidance %g) in %d micro-batches",

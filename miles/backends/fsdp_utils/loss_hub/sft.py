@@ -11,8 +11,8 @@ student's ``x̂0_i`` and calls :func:`prepare_sft_batch`.
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
-from miles.utils.flow_schedule import FlowNoiseSchedule
 from miles.utils.misc import make_generator
+from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = ["NUM_TRAIN_TIMESTEPS", "trainer_flow_grid", "prepare_sft_batch", "sft_loss_formula"]
