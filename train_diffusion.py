@@ -2,16 +2,16 @@
 
 Per rollout (docs/architecture.md)::
 
-    refs = rollout_manager.generate(rollout_id)                    # one Box per DP rank
+    shards = rollout_manager.generate(rollout_id)                  # the prompts, one PromptShard per DP rank
+    pairs  = actor.generate(rollout_id, shards)                    # rank i samples shard i on its own student
     for role, group in groups:                                     # dmd2: critic, then actor
-        outs[role] = group.train(rollout_id, refs, external_data=outs so far)   # rank i gets rank i's boxes
-        actor: push weights to the engine (unless --train-only); colocated groups sleep right after their train
+        outs[role] = group.train(rollout_id, pairs, external_data=outs so far)   # rank i gets rank i's boxes
     save / evaluate periodically (the checkpoint first, so a failing eval hook cannot cost it)
 
 Train the bundled digits pipeline with SFT on 2 CPU ranks::
 
     python -m miles.models.digits init /tmp/digits
-    python -m miles.eval.digits_data /tmp/digits_data
+    python -m miles.eval.digits.data /tmp/digits_data
     python train_diffusion.py --loss-type sft_loss --train-only --hf-checkpoint /tmp/digits \\
         --prompt-data /tmp/digits_data/train.jsonl --actor-num-gpus-per-node 2 --rollout-batch-size 32 \\
         --micro-batch-size 16 --num-rollout 150 --lr 1e-3 --save /tmp/ckpt --save-interval 50 \\
@@ -26,224 +26,159 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
-
-from tqdm import trange
 
 logger = logging.getLogger("train_diffusion")
 
 
 @contextmanager
-def _timer(metrics: dict[str, float], key: str):
+def _timer(perf: dict[str, float], key: str):
     start = time.perf_counter()
     try:
         yield
     finally:
-        metrics[key] = time.perf_counter() - start
+        perf[key] = perf.get(key, 0.0) + time.perf_counter() - start
 
 
-def needs_sleep(args, num_groups: int) -> bool:
-    """Groups sleep between trains when something else uses their device: another group or the colocated engine."""
-    return num_groups > 1 or (not args.rollout_num_gpus and not args.train_only)
+class DeviceTurns:
+    """Colocated trainer groups take turns on their devices: with ``enabled`` (GPUs shared by several groups) only
+    the group whose turn it is stays awake; the others sleep (their state on the CPU)."""
+
+    def __init__(self, groups: dict, enabled: bool) -> None:
+        import ray
+
+        self.groups, self.enabled, self.awake = groups, enabled, None
+        if enabled:
+            # The actor generates first: everyone else starts asleep.
+            ray.get([ref for role, group in groups.items() if role != "actor" for ref in group.async_sleep()])
+            self.awake = "actor"
+
+    def hand_to(self, role: str, perf: dict[str, float]) -> None:
+        """Put the awake group to sleep and wake ``role`` (no-op when it is awake or turns are off)."""
+        import ray
+
+        if not self.enabled or self.awake == role:
+            return
+        with _timer(perf, "perf/sleep_wake_time"):
+            if self.awake is not None:
+                perf[f"perf/{self.awake}-sleep_time"] = max(ray.get(self.groups[self.awake].async_sleep()))
+            perf[f"perf/{role}-wake_time"] = max(ray.get(self.groups[role].async_wake_up()))
+        self.awake = role
 
 
-def should_save(args, rollout_id: int) -> bool:
-    """Save at every ``--save-interval`` rollouts and after the last one (with ``--save``)."""
-    if not args.save:
-        return False
-    last = rollout_id == args.num_rollout - 1
-    return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
-
-
-def should_evaluate(args, rollout_id: int) -> bool:
-    """Evaluate at every ``--eval-interval`` rollouts and after the last one (with ``--eval-interval``)."""
-    if not args.eval_interval:
-        return False
-    return rollout_id == args.num_rollout - 1 or (rollout_id + 1) % args.eval_interval == 0
-
-
-def load_eval_records(args) -> list[dict]:
-    """The eval prompts: every record of ``--eval-prompt-data`` (default ``--prompt-data``), each repeated
-    ``--eval-n-samples-per-prompt`` times, in file order."""
-    import json
-
-    path = args.eval_prompt_data or args.prompt_data
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [record for record in records for _ in range(args.eval_n_samples_per_prompt)]
-
-
-def maybe_evaluate(args, rollout_id: int, rollout_manager, tracker) -> None:
-    """Every ``--eval-interval`` rollouts: sample the eval prompts with the engine's current student, score them with
-    ``--eval-function-path`` and log the figures as ``eval/<name>``. The PNG grid ``<output-dir>/eval/rollout_<id>.png``
-    is the hook's own if it writes one there, else the images tiled in order; it is logged as wandb media with
-    ``--use-wandb``."""
-    if not should_evaluate(args, rollout_id):
-        return
-    import ray
-
-    from miles.eval.grids import save_image_grid
-    from miles.utils.misc import load_function
-
-    records = load_eval_records(args)
-    prompts = [record[args.input_key] for record in records]
-    # Fixed sample indices: every evaluation of a run starts from the same noise, so the grids are comparable.
-    images = ray.get(rollout_manager.evaluate.remote(prompts, list(range(len(prompts)))))
-    grid = Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png"
-    grid.unlink(missing_ok=True)  # a resumed run's earlier grid must not stand in for this one
-    metrics = {}
-    if args.eval_function_path:
-        hook = load_function(args.eval_function_path)
-        metrics = {f"eval/{key}": value for key, value in hook(args, images, records, rollout_id).items()}
-    if not grid.exists():
-        # The hook may draw its own grid there (the digits hook labels one row per digit); else tile the images.
-        save_image_grid(images, grid, per_row=10)
-    tracker.log(metrics, rollout_id, images={"eval/samples": grid})
-    logger.info("eval after rollout %d: %s (grid %s)", rollout_id, metrics, grid)
-
-
-def log_plan(args) -> None:
-    """``--dry-run``: log the trainer groups, their placement and the schedule, without starting Ray."""
-    import torch
-
-    from miles.ray.placement_group import engine_colocated, rollout_resources, trainer_resources
-    from miles.utils.trainer_config import compute_trainer_args, compute_trainer_configs
-
-    configs = compute_trainer_configs(args)
-    use_gpu = torch.cuda.is_available()
-    ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
-    gpus, cpus = trainer_resources(len(configs), engine_colocated(args), use_gpu)
-    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    logger.info(
-        "placement: %d bundles of %s (one per DP rank); each rank of each group takes GPU %.2f CPU %.2f",
-        ranks,
-        bundle,
-        gpus,
-        cpus,
-    )
-    r_gpus, r_cpus = rollout_resources(engine_colocated(args), use_gpu)
-    where = "colocated on bundle 0" if engine_colocated(args) else f"own {args.rollout_num_gpus} bundles"
-    logger.info(
-        "rollout manager: %s, GPU %.2f CPU %.2f, engine %s",
-        where,
-        r_gpus,
-        r_cpus,
-        "off (--train-only)" if args.train_only else "on",
-    )
-    for config in configs:
-        group_args = compute_trainer_args(args, config)
-        hooks = {
-            name: getattr(group_args, f"custom_{name}_path", None)
-            for name in ("train_input_function", "prepare_train_batch", "loss_function", "train_output_function")
-        }
-        logger.info(
-            "group %s: overrides %s; init %s, teacher %s, lr %g, %d optimizer steps per rollout; hooks %s",
-            config.role,
-            config.overrides,
-            group_args.hf_checkpoint,
-            group_args.teacher_load,
-            group_args.lr,
-            group_args.num_steps_per_rollout,
-            hooks,
-        )
-    start = 0
-    if args.load:
-        from miles.backends.fsdp_utils.checkpoint import read_latest
-
-        start = read_latest(args.load) + 1
-    saves = [r for r in range(start, args.num_rollout) if should_save(args, r)]
-    logger.info(
-        "schedule: rollouts %d..%d, sleep between trains: %s, saves after rollouts %s, export %s",
-        start,
-        args.num_rollout - 1,
-        needs_sleep(args, len(configs)),
-        saves,
-        args.save_hf,
-    )
-
-
-def run_rollouts(args, rollout_manager, groups: dict, start_rollout_id: int, tracker) -> None:
-    """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, push, save, eval.
+def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id: int, tracker) -> None:
+    """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, save, evaluate.
 
     Args:
-        rollout_manager: the ``RolloutManager`` actor handle.
-        groups: ``{role: RayTrainGroup}`` in training order (``create_training_models``).
-        tracker: the driver's ``MetricsTracker`` (``perf/*`` timers).
+        rollout_manager: the ``RolloutManager`` actor handle (prompts, DP split, data cursor).
+        groups: ``{role: RayTrainGroup}`` in training order.
+        engines: the ``--rollout-num-gpus`` ``EngineGroup``, or None when the actor ranks generate.
+        tracker: the driver's ``MetricsTracker``: every train, perf and eval figure of the run.
     """
     import ray
 
-    sleep = needs_sleep(args, len(groups))
-    for rollout_id in trange(
-        start_rollout_id, args.num_rollout, initial=start_rollout_id, total=args.num_rollout, desc="rollout"
-    ):
+    from miles.driver.console import RolloutProgress
+    from miles.driver.evaluation import maybe_evaluate
+    from miles.driver.schedule import needs_sleep, should_save
+    from miles.ray.placement_group import use_gpu_bundles
+
+    actor = groups["actor"]
+    turns = DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
+    progress = RolloutProgress(args, start_rollout_id)
+    for rollout_id in range(start_rollout_id, args.num_rollout):
         perf: dict[str, float] = {}
         step_start = time.perf_counter()
         with _timer(perf, "perf/rollout_time"):
-            refs = ray.get(rollout_manager.generate.remote(rollout_id))
-        outs = {}
+            shards = ray.get(rollout_manager.generate.remote(rollout_id))
+            if engines is not None:
+                results = [result for run in ray.get(engines.async_generate(rollout_id, shards)) for result in run]
+            else:
+                turns.hand_to("actor", perf)
+                results = ray.get(actor.async_generate(rollout_id, shards))
+        pairs = [result.pairs for result in results]
+        perf.update(results[0].perf)
+        outs, step_metrics = {}, {}
         for role, group in groups.items():
+            turns.hand_to(role, perf)
             with _timer(perf, f"perf/{role}_train_time"):
-                if sleep:
-                    ray.get(group.async_wake_up())
                 # Earlier groups' boxes only: the payloads stay in the object store until rank i unboxes them.
-                outs[role] = ray.get(group.async_train(rollout_id, refs, external_data=dict(outs)))
-            if role == "actor" and not args.train_only:
-                with _timer(perf, "perf/update_weights_time"):
-                    ray.get(group.async_update_weights(rollout_manager))
-            if sleep:
-                ray.get(group.async_sleep())
+                trained = ray.get(group.async_train(rollout_id, pairs, external_data=dict(outs)))
+            outs[role] = [result.output for result in trained]
+            perf.update(trained[0].perf)
+            for metrics in trained[0].metrics:
+                tracker.log(metrics, rollout_id)
+            step_metrics.update(trained[0].metrics[-1] if trained[0].metrics else {})
+        if engines is not None:
+            with _timer(perf, "perf/update_weights_time"):
+                ray.get(actor.async_update_weights(engines.engines))
         # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
         if should_save(args, rollout_id):
-            data_state = ray.get(rollout_manager.state_dict.remote())
-            # One group at a time: a sleeping group wakes onto the shared device to save.
-            for group in groups.values():
-                ray.get(group.async_save(rollout_id, data_state))
-        if args.train_only and should_evaluate(args, rollout_id):
-            # Without rollouts the engine only needs the student's weights when it draws the eval images.
-            ray.get(groups["actor"].async_update_weights(rollout_manager))
-        maybe_evaluate(args, rollout_id, rollout_manager, tracker)
+            with _timer(perf, "perf/save_time"):
+                data_state = ray.get(rollout_manager.state_dict.remote())
+                # One group at a time: a sleeping group wakes onto the shared device to save.
+                for group in groups.values():
+                    ray.get(group.async_save(rollout_id, data_state))
+            progress.note(f"saved rollout {rollout_id} to {args.save}")
+        with _timer(perf, "perf/eval_time"):
+            eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker)
+        if eval_metrics:
+            progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
         perf["perf/step_time"] = time.perf_counter() - step_start
         tracker.log(perf, rollout_id)
+        progress.update(rollout_id, {**step_metrics, **perf})
+    progress.close()
 
 
 def train(args) -> None:
-    """Place and start the rollout manager and the trainer groups, resume if asked, run the rollouts, export."""
+    """Place and start the rollout manager, the trainer groups (and engine replicas), resume if asked, run the
+    rollouts, export the student."""
     import ray
 
     from miles.backends.fsdp_utils.checkpoint import read_data_state
-    from miles.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
+    from miles.driver.console import log_groups_ready
+    from miles.driver.export import export_schedule
+    from miles.methods import compute_trainer_configs
+    from miles.ray.placement_group import (
+        create_engine_group,
+        create_placement_groups,
+        create_rollout_manager,
+        create_training_models,
+    )
     from miles.utils.tracking import MetricsTracker
 
+    start_time = time.perf_counter()
     pgs = create_placement_groups(args)
-    rollout_manager = create_rollout_manager(args, pgs)
-    groups = create_training_models(args, pgs)
+    rollout_manager = create_rollout_manager(args)
+    groups = create_training_models(args, compute_trainer_configs(args), pgs)
+    engines = create_engine_group(args, pgs)
+    log_groups_ready(groups, engines, time.perf_counter() - start_time)
     actor = groups["actor"]
     start = actor.start_rollout_id
     if start > 0:
         _, data_state = read_data_state(args.load)
         if data_state is not None:
             ray.get(rollout_manager.load_state_dict.remote(data_state))
-    if not args.train_only:
-        # The engine loaded --hf-checkpoint; after a resume the actor's weights differ.
-        ray.get(actor.async_update_weights(rollout_manager))
-    if needs_sleep(args, len(groups)):
-        ray.get([ref for group in groups.values() for ref in group.async_sleep()])
+    if engines is not None:
+        # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
+        ray.get(actor.async_update_weights(engines.engines))
     tracker = MetricsTracker(args, job="driver")
     try:
-        run_rollouts(args, rollout_manager, groups, start, tracker)
+        run_rollouts(args, rollout_manager, groups, engines, start, tracker)
         if args.save_hf:
-            ray.get(actor.async_export_hf(args.save_hf))
+            ray.get(actor.async_export_hf(args.save_hf, export_schedule(args)))
+            logger.info("exported the student to %s", args.save_hf)
     finally:
         tracker.finish()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv``; ``--dry-run`` logs the plan and returns; otherwise start Ray, train, and shut Ray down."""
-    from miles.utils.arguments import ArgumentValidationError, parse_args
-    from miles.utils.preflight import validate_inputs
+    from miles.driver.arguments import parse_args
+    from miles.driver.preflight import validate_inputs
+    from miles.utils.log import setup_logging
+    from miles.utils.validation import ArgumentValidationError
 
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     try:
         # Paths, data and hooks before Ray starts; a dry run checks the hooks and --load only (the data may live on
         # the cluster).
@@ -252,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"train_diffusion.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
     if args.dry_run:
+        from miles.driver.plan import log_plan
+
         log_plan(args)
         return
     import ray

@@ -1,38 +1,26 @@
-"""Command-line arguments of ``train_diffusion.py``.
+"""Command-line arguments of ``train_diffusion.py``: the one argument module.
 
-``parse_args`` builds the parser, fills defaults that depend on other flags (``set_default_diffusion_args``), then
-runs the validators. Validators only reject: each rejection is one line naming the flags and the fix, exit code 2.
-``docs/cli-reference.md`` is generated from ``build_parser()`` (``python -m miles.utils.cli_reference``).
+``parse_args`` builds the parser (the generic groups here, plus each method's own group from ``miles.methods``),
+fills defaults that depend on other flags (the generic ones here, then the chosen method's ``set_defaults``), then
+runs the validators (generic, then the method's). Validators only reject: each rejection is one line naming the
+flags and the fix, exit code 2. ``docs/cli-reference.md`` is generated from ``build_parser()`` (``python -m
+miles.driver.cli_reference``).
 """
 
 import argparse
 import os
 
+from miles.methods import METHODS, get_method
+from miles.utils.validation import ArgumentValidationError, dp_size, reject, rollout_pairs
+
 __all__ = [
     "ArgumentValidationError",
     "build_parser",
+    "method_flag_dests",
     "parse_args",
     "set_default_diffusion_args",
     "validate_args",
-    "validate_dmd2_args",
-    "dp_size",
 ]
-
-LOSS_TYPES = ("sft_loss", "dmd2", "custom_loss")
-
-SFT_CONVERTER = "miles.ray.data_conversion_hub.sft.expand_samples_to_train_pairs"
-SFT_PREPARE = "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
-SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
-DMD2_CONVERTER = "miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
-DMD2_GENERATOR_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch"
-DMD2_GENERATOR_LOSS = "miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula"
-DMD2_CRITIC_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch"
-DMD2_CRITIC_SCORING = "miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0"
-STOP_AT_RANDOM_STEP = "miles.rollout.step_strategy_hub.stop_at_random_step"
-
-
-class ArgumentValidationError(ValueError):
-    """A flag combination that cannot run. The message names the flags and the fix, on one line."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -62,7 +50,13 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-num-gpus",
         type=int,
         default=0,
-        help="One-device bundles reserved for the rollout engine (it runs on the first); 0 colocates it with the trainers.",
+        help="Bundles for dedicated rollout-engine replicas (must divide the DP size); 0: the actor ranks generate.",
+    )
+    group.add_argument(
+        "--num-cpus-per-rank",
+        type=int,
+        default=None,
+        help="CPUs (and torch threads) of each rank's bundle; default: a node's CPUs / its ranks.",
     )
     group.add_argument(
         "--ray-address", type=str, default=None, help="Ray cluster to join; default starts a local one."
@@ -82,12 +76,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Frozen teacher pipeline directory; needs a consumer (dmd2, or a custom prepare/loss/train-output hook).",
     )
     group.add_argument(
-        "--critic-load",
-        type=str,
-        default=None,
-        help="DMD2 critic (fake score) init pipeline directory; defaults to --teacher-load. dmd2 only.",
-    )
-    group.add_argument(
         "--diffusion-model-family",
         type=str,
         default=None,
@@ -99,13 +87,24 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         default="float32",
         choices=("float32", "bfloat16"),
-        help="Compute dtype of the trainers' FSDP forward/backward; parameters, optimizer and engine stay float32.",
+        help="Compute dtype of forward/backward; trainable weights and optimizer stay float32, frozen ones use it.",
+    )
+    group.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="Recompute each transformer block's activations in backward (less memory, ~1/3 more compute).",
     )
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("FSDP training")
-    group.add_argument("--loss-type", type=str, default="sft_loss", choices=LOSS_TYPES, help="Training algorithm.")
+    group.add_argument(
+        "--loss-type",
+        type=str,
+        default="sft_loss",
+        choices=tuple(METHODS),
+        help="Training algorithm: " + "; ".join(f"{name}: {method.description}" for name, method in METHODS.items()),
+    )
     group.add_argument("--num-rollout", type=int, default=None, help="Rollouts to run (one actor update each).")
     group.add_argument("--num-steps-per-rollout", type=int, default=1, help="Optimizer steps per rollout.")
     group.add_argument(
@@ -144,9 +143,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("optimizer")
     group.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the actor (student).")
-    group.add_argument(
-        "--critic-lr", type=float, default=None, help="Learning rate of the DMD2 critic; defaults to --lr. dmd2 only."
-    )
     group.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1 of every group.")
     group.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2 of every group.")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
@@ -194,6 +190,17 @@ def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
         help="fn(args, rollout_id, sample_indices, num_steps) -> stop step per sample (None = full trajectory).",
     )
     group.add_argument("--negative-prompt", type=str, default="", help="Negative prompt for CFG.")
+    group.add_argument(
+        "--negative-cond",
+        type=str,
+        default=None,
+        help="Cached cond (.safetensors) of the negative prompt; default: encode --negative-prompt.",
+    )
+    group.add_argument(
+        "--encode-negative-prompt",
+        action="store_true",
+        help="Give every sample the negative prompt's cond (set by dmd2 with teacher CFG, SFT cond dropout).",
+    )
     group.add_argument("--rollout-seed", type=int, default=42, help="Seed of the engine's noise and data shuffle.")
 
 
@@ -203,43 +210,22 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-key", type=str, default="prompt", help="JSONL key of the prompt.")
     group.add_argument("--image-key", type=str, default="image", help="JSONL key of the image for --train-only.")
     group.add_argument(
+        "--latent-key",
+        type=str,
+        default="latent",
+        help="JSONL key of a stored latent file (.safetensors / .npy), used instead of the image when present.",
+    )
+    group.add_argument(
+        "--cond-key",
+        type=str,
+        default="cond",
+        help="JSONL key of a prompt's cached cond file (python -m miles.rollout.prompt_cache); else encoded.",
+    )
+    group.add_argument(
         "--rollout-shuffle",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reshuffle the prompts every epoch (seeded by --rollout-seed).",
-    )
-
-
-def _add_dmd2_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "DMD2",
-        "Distribution matching distillation (Yin et al. 2024). LoRA, teacher adapters and a reference model are "
-        "not implemented, so their upstream flags do not exist.",
-    )
-    group.add_argument(
-        "--dmd2-critic-steps-per-rollout",
-        type=int,
-        default=5,
-        help="K critic (fake score) updates per student update, over the same DP shard.",
-    )
-    group.add_argument(
-        "--dmd2-teacher-guidance-scale",
-        type=float,
-        default=1.0,
-        help="CFG scale of the teacher's score; the critic scores unguided.",
-    )
-    group.add_argument(
-        "--dmd2-critic-scoring",
-        type=str,
-        default="fused",
-        choices=("fused", "original"),
-        help="fused: score after the K critic steps; original: score before the last critic step (reference).",
-    )
-    group.add_argument(
-        "--dmd2-min-timestep-ratio", type=float, default=0.02, help="Lowest scoring timestep / 1000 (reference 2%%)."
-    )
-    group.add_argument(
-        "--dmd2-max-timestep-ratio", type=float, default=0.98, help="Highest scoring timestep / 1000 (reference 98%%)."
     )
 
 
@@ -264,7 +250,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         "--wandb-run-name",
         type=str,
         default=None,
-        help="W&B run name prefix (each job adds -<role>); default: the --output-dir name.",
+        help="W&B run name; default: the --output-dir name.",
     )
     group.add_argument(
         "--wandb-mode", type=str, default="offline", choices=("offline", "online"), help="online needs a login."
@@ -295,7 +281,7 @@ def _add_hook_args(parser: argparse.ArgumentParser) -> None:
         "--custom-expand-samples-to-train-pairs-path",
         type=str,
         default=None,
-        help="fn(args, samples) -> train pairs; runs in the RolloutManager before the DP split.",
+        help="fn(args, samples) -> train pairs; runs where the samples are generated (each actor rank).",
     )
     group.add_argument(
         "--custom-train-input-function-path",
@@ -337,62 +323,37 @@ def build_parser() -> argparse.ArgumentParser:
         _add_optimizer_args,
         _add_rollout_args,
         _add_data_args,
-        _add_dmd2_args,
         _add_checkpoint_args,
         _add_logging_args,
         _add_hook_args,
     ):
         add(parser)
+    for method in METHODS.values():
+        method.add_arguments(parser)
     return parser
 
 
-def dp_size(args: argparse.Namespace) -> int:
-    """Data-parallel size of every trainer group: ``actor_num_nodes × actor_num_gpus_per_node``."""
-    return args.actor_num_nodes * args.actor_num_gpus_per_node
-
-
-def rollout_pairs(args: argparse.Namespace) -> int:
-    """Train pairs one rollout produces: ``rollout_batch_size × n_samples_per_prompt``."""
-    return args.rollout_batch_size * args.n_samples_per_prompt
+def method_flag_dests() -> dict[str, set[str]]:
+    """``{loss type: the dests of the flags its method adds}``."""
+    owned = {}
+    for name, method in METHODS.items():
+        probe = argparse.ArgumentParser(add_help=False)
+        method.add_arguments(probe)
+        owned[name] = {action.dest for action in probe._actions}
+    return owned
 
 
 def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that depend on other flags, in place. Never overwrites a value the user set.
+    """Fill the defaults that depend on other flags, in place; never overwrites a value the user set.
 
-    - ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``.
-    - ``--loss-type sft_loss`` fills the SFT converter, prepare and loss hooks.
-    - ``--loss-type dmd2`` fills the DMD2 converter and the actor's generator prepare and loss hooks, the
-      ``stop_at_random_step`` step strategy, ``--critic-load`` ← ``--teacher-load`` and ``--critic-lr`` ← ``--lr``.
-      The critic's own hooks are its ``TrainerConfig`` overrides (``miles.utils.trainer_config``).
+    ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``, then the method's ``set_defaults`` (its
+    hook paths, the step strategy, what the engine must encode; see ``miles.methods``).
     """
     if args.global_batch_size is None and args.rollout_batch_size and args.num_steps_per_rollout:
         if rollout_pairs(args) % args.num_steps_per_rollout == 0:
             args.global_batch_size = rollout_pairs(args) // args.num_steps_per_rollout
-    if args.loss_type == "sft_loss":
-        defaults = {
-            "custom_expand_samples_to_train_pairs_path": SFT_CONVERTER,
-            "custom_prepare_train_batch_path": SFT_PREPARE,
-            "custom_loss_function_path": SFT_LOSS,
-        }
-    elif args.loss_type == "dmd2":
-        defaults = {
-            "custom_expand_samples_to_train_pairs_path": DMD2_CONVERTER,
-            "custom_prepare_train_batch_path": DMD2_GENERATOR_PREPARE,
-            "custom_loss_function_path": DMD2_GENERATOR_LOSS,
-            "diffusion_step_strategy_path": STOP_AT_RANDOM_STEP,
-            "critic_load": args.teacher_load,
-            "critic_lr": args.lr,
-        }
-    else:
-        defaults = {}
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    get_method(args).set_defaults(args)
     return args
-
-
-def _reject(message: str) -> None:
-    raise ArgumentValidationError(message)
 
 
 def validate_batch_args(args: argparse.Namespace) -> None:
@@ -402,7 +363,7 @@ def validate_batch_args(args: argparse.Namespace) -> None:
         ("--rollout-batch-size", args.rollout_batch_size),
     ):
         if value is None or value < 1:
-            _reject(f"{flag} must be a positive integer, got {value}")
+            reject(f"{flag} must be a positive integer, got {value}")
     for flag, value in (
         ("--n-samples-per-prompt", args.n_samples_per_prompt),
         ("--num-steps-per-rollout", args.num_steps_per_rollout),
@@ -412,7 +373,7 @@ def validate_batch_args(args: argparse.Namespace) -> None:
         ("--diffusion-num-steps", args.diffusion_num_steps),
     ):
         if value < 1:
-            _reject(f"{flag} must be >= 1, got {value}")
+            reject(f"{flag} must be >= 1, got {value}")
     total = rollout_pairs(args)
     if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
         if total % args.num_steps_per_rollout == 0:
@@ -420,147 +381,117 @@ def validate_batch_args(args: argparse.Namespace) -> None:
         else:
             # No whole global batch exists, so suggesting one would be a fractional, unusable value.
             fix = f"pick a --num-steps-per-rollout that divides {total}, or change --rollout-batch-size"
-        _reject(
+        reject(
             f"--rollout-batch-size x --n-samples-per-prompt ({args.rollout_batch_size} x {args.n_samples_per_prompt}"
             f" = {total}) must equal --global-batch-size x --num-steps-per-rollout ({args.global_batch_size} x "
             f"{args.num_steps_per_rollout}); {fix}"
         )
+    if args.rollout_batch_size % dp_size(args):
+        reject(
+            f"--rollout-batch-size {args.rollout_batch_size} must be a multiple of the DP size {dp_size(args)} "
+            "(--actor-num-nodes x --actor-num-gpus-per-node): every rank generates an equal share of the prompts"
+        )
+    if args.rollout_num_gpus and dp_size(args) % args.rollout_num_gpus:
+        reject(
+            f"--rollout-num-gpus {args.rollout_num_gpus} must divide the DP size {dp_size(args)}: each engine "
+            "replica generates the shards of a run of DP ranks"
+        )
     per_step = dp_size(args) * args.micro_batch_size
     if args.global_batch_size % per_step != 0:
-        _reject(
+        reject(
             f"--global-batch-size {args.global_batch_size} must be a multiple of DP size x --micro-batch-size "
             f"({dp_size(args)} x {args.micro_batch_size} = {per_step}) so every rank runs the same micro-batches"
         )
 
 
-def validate_teacher_args(args: argparse.Namespace) -> None:
-    """``--teacher-load`` needs something that reads ``ctx.teacher_models``."""
-    if args.teacher_load is None or args.loss_type == "dmd2":
-        return
-    user_hooks = (
-        args.custom_prepare_train_batch_path not in (None, SFT_PREPARE),
-        args.custom_loss_function_path not in (None, SFT_LOSS),
-        args.custom_train_output_function_path is not None,
-    )
-    if not any(user_hooks):
-        _reject(
-            "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
-            "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
-        )
-
-
-def validate_dmd2_args(args: argparse.Namespace) -> None:
-    """Reject what ``--loss-type dmd2`` cannot run (seed ``[DMD2 4/7]``); the critic-only flags need dmd2.
-
-    LoRA, teacher adapters and a reference model are not implemented by this project, so their flags do not exist.
-    """
-    if args.loss_type != "dmd2":
-        for flag, value in (("--critic-load", args.critic_load), ("--critic-lr", args.critic_lr)):
-            if value is not None:
-                _reject(f"{flag} is only read by --loss-type dmd2 (got --loss-type {args.loss_type}); remove it")
-        return
-    if not args.teacher_load:
-        _reject("--loss-type dmd2 needs --teacher-load (the frozen teacher pipeline directory)")
-    if args.dmd2_teacher_guidance_scale < 1:
-        _reject(f"--dmd2-teacher-guidance-scale must be >= 1 (1 = no CFG), got {args.dmd2_teacher_guidance_scale}")
-    if args.fsdp_flow_shift is None or args.fsdp_flow_shift <= 0:
-        _reject(f"--loss-type dmd2 needs a visual --fsdp-flow-shift > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
-    if args.diffusion_guidance_scale != 1:
-        _reject(
-            f"--loss-type dmd2 needs unguided student rollouts: set --diffusion-guidance-scale 1 "
-            f"(got {args.diffusion_guidance_scale}); the teacher's CFG is --dmd2-teacher-guidance-scale"
-        )
-    if args.num_steps_per_rollout != 1:
-        _reject(
-            f"--loss-type dmd2 takes one actor step per rollout: set --num-steps-per-rollout 1 "
-            f"(got {args.num_steps_per_rollout})"
-        )
-    if args.train_only:
-        _reject("--train-only has no rollout engine, which --loss-type dmd2 needs: remove --train-only")
-    k = args.dmd2_critic_steps_per_rollout
-    if k < 1:
-        _reject(f"--dmd2-critic-steps-per-rollout must be >= 1, got {k}")
-    shard = rollout_pairs(args) // dp_size(args)
-    if shard % k != 0 or (shard // k) % args.micro_batch_size != 0:
-        _reject(
-            f"--dmd2-critic-steps-per-rollout {k} must split each DP shard of {shard} pairs into equal steps of "
-            f"whole micro-batches (--micro-batch-size {args.micro_batch_size}); pick K dividing {shard}"
-        )
-    ratios = (args.dmd2_min_timestep_ratio, args.dmd2_max_timestep_ratio)
-    if not 0 <= ratios[0] < ratios[1] <= 1:
-        _reject(f"need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got {ratios}")
-
-
 def validate_args(args: argparse.Namespace) -> None:
     """Run every validator; raise ``ArgumentValidationError`` at the first rejection."""
     if not args.hf_checkpoint:
-        _reject("--hf-checkpoint is required (the student pipeline directory)")
+        reject("--hf-checkpoint is required (the student pipeline directory)")
     if not args.prompt_data:
-        _reject("--prompt-data is required (a JSONL file of prompts, with images for --train-only)")
-    if args.loss_type == "custom_loss" and not (
-        args.custom_prepare_train_batch_path and args.custom_loss_function_path
-    ):
-        _reject(
-            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path "
-            "(and the converter, --custom-expand-samples-to-train-pairs-path)"
-        )
+        reject("--prompt-data is required (a JSONL file of prompts, with images for --train-only)")
     if args.custom_expand_samples_to_train_pairs_path is None:
-        _reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
+        reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
+    validate_method_flags(args)
     validate_batch_args(args)
-    validate_teacher_args(args)
-    validate_dmd2_args(args)
     if args.train_output_before_step is not None and not (
         0 <= args.train_output_before_step < args.num_steps_per_rollout
     ):
-        _reject(
+        reject(
             f"--train-output-before-step must be in [0, --num-steps-per-rollout {args.num_steps_per_rollout}), "
             f"got {args.train_output_before_step}"
         )
     if args.diffusion_timesteps is not None:
         t = args.diffusion_timesteps
         if not t or any(not 0 < x <= 1000 for x in t) or any(b >= a for a, b in zip(t, t[1:])):
-            _reject(f"--diffusion-timesteps must be strictly descending values in (0, 1000], got {t}")
+            reject(f"--diffusion-timesteps must be strictly descending values in (0, 1000], got {t}")
     if not 0 <= args.sft_uncond_prob < 1:
-        _reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
+        reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        _reject("--save-interval needs --save and must be >= 1")
+        reject("--save-interval needs --save and must be >= 1")
     if args.save_hf:
         # The export replaces its directory wholesale: it must not be a model, a checkpoint or the run directory.
         export = os.path.realpath(args.save_hf)
-        for flag in ("hf_checkpoint", "teacher_load", "critic_load", "load", "save", "output_dir"):
-            value = getattr(args, flag)
-            if value and os.path.realpath(value) == export:
-                _reject(
-                    f"--save-hf {args.save_hf} is also --{flag.replace('_', '-')}; export to a directory of its own"
-                )
+        for flag, value in run_paths(args):
+            if os.path.realpath(value) == export:
+                reject(f"--save-hf {args.save_hf} is also {flag}; export to a directory of its own")
         if (
             os.path.isdir(export)
             and os.listdir(export)
             and not os.path.isfile(os.path.join(export, "model_index.json"))
         ):
-            _reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; the export would replace it")
+            reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; the export would replace it")
     if args.eval_interval is not None and args.eval_interval < 1:
-        _reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
+        reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
     validate_number_args(args)
+    get_method(args).validate(args)
+
+
+def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
+    trainer groups (a group's ``--save`` may be a sibling such as ``<save>_critic``)."""
+    from miles.utils.trainer_config import compute_trainer_args
+
+    paths = []
+    for config in get_method(args).trainer_configs(args):
+        group_args = compute_trainer_args(args, config)
+        for dest in ("hf_checkpoint", "teacher_load", "load", "save"):
+            value = getattr(group_args, dest, None)
+            if value:
+                label = f"--{dest.replace('_', '-')}"
+                paths.append((label if config.role == "actor" else f"the {config.role} group's {label}", value))
+    if args.output_dir:
+        paths.append(("--output-dir", args.output_dir))
+    return paths
+
+
+def validate_method_flags(args: argparse.Namespace) -> None:
+    """A method's own flags are read only under its loss type: a value set for another one is rejected."""
+    defaults = {action.dest: action.default for action in build_parser()._actions}
+    for name, dests in method_flag_dests().items():
+        if name == args.loss_type:
+            continue
+        for dest in sorted(dests):
+            if getattr(args, dest, None) != defaults.get(dest):
+                reject(
+                    f"--{dest.replace('_', '-')} is only read by --loss-type {name} (got --loss-type "
+                    f"{args.loss_type}); remove it"
+                )
 
 
 def validate_number_args(args: argparse.Namespace) -> None:
     """Reject numbers that no run can use (a negative learning rate, warmup or engine bundle count, a flow shift
     <= 0), which would otherwise fail inside a Ray worker, or silently train the wrong way."""
-    for flag in ("lr", "critic_lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_steps", "rollout_num_gpus"):
-        value = getattr(args, flag)
+    for flag in ("lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_steps", "rollout_num_gpus"):
+        value = getattr(args, flag, None)
         if value is not None and value < 0:
-            _reject(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+            reject(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
     if args.fsdp_flow_shift is None or args.fsdp_flow_shift <= 0:
-        _reject(f"--fsdp-flow-shift must be > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
-    if args.loss_type == "dmd2" and args.sft_uncond_prob > 0:
-        _reject(
-            "--sft-uncond-prob trains SFT's unconditional velocity; it has no use under --loss-type dmd2: remove it"
-        )
+        reject(f"--fsdp-flow-shift must be > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
     if args.diffusion_flow_shift <= 0:
-        _reject(f"--diffusion-flow-shift must be > 0 (e.g. 3.0), got {args.diffusion_flow_shift}")
+        reject(f"--diffusion-flow-shift must be > 0 (e.g. 3.0), got {args.diffusion_flow_shift}")
     if args.eval_n_samples_per_prompt < 1:
-        _reject(f"--eval-n-samples-per-prompt must be >= 1, got {args.eval_n_samples_per_prompt}")
+        reject(f"--eval-n-samples-per-prompt must be >= 1, got {args.eval_n_samples_per_prompt}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

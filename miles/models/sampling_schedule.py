@@ -13,8 +13,7 @@ import os
 from pathlib import Path
 
 from miles.models.base import read_json
-from miles.rollout.engine import STEP_RULES
-from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.utils.sampling import STEP_RULES, FlowNoiseSchedule
 
 __all__ = [
     "SCHEDULE_KEYS",

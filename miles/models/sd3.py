@@ -10,10 +10,11 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from miles.models.base import ModelFamily, read_json
+from miles.models.base import read_json
 
-__all__ = ["SD3Family", "SD3PromptEncoder"]
+__all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,21 +69,95 @@ class SD3PromptEncoder:
         return prompt_embeds.float(), pooled.float()
 
 
-class SD3Family(ModelFamily):
-    """Diffusers SD3 / SD3.5 pipelines: ``SD3Transformer2DModel`` over VAE latents, CLIP×2 (+T5) text."""
+def load_sd3_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``<path>/transformer`` as an ``SD3Transformer2DModel`` in eval mode on the CPU, in ``dtype``.
+
+    Raises:
+        FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
+    """
+    from diffusers import SD3Transformer2DModel
+
+    folder = Path(path) / "transformer"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no transformer/config.json under pipeline directory {path}")
+    return SD3Transformer2DModel.from_pretrained(folder, torch_dtype=dtype).eval()
+
+
+def sd3_latent_shape(path: str | Path) -> tuple[int, int, int]:
+    """``(in_channels, sample_size, sample_size)`` of ``<path>/transformer/config.json``."""
+    config = read_json(Path(path) / "transformer" / "config.json", "transformer config")
+    return (int(config["in_channels"]), int(config["sample_size"]), int(config["sample_size"]))
+
+
+def sd3_velocity(
+    denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """One ``SD3Transformer2DModel`` forward (plain or FSDP-wrapped).
+
+    Args:
+        latents: ``(B, C, H, W)`` model input ``x_σ``, any float dtype; cast to the denoiser's dtype.
+        timestep: float ``(B,)`` in [0, 1000] (``σ · 1000``); kept in float32, as diffusers' pipelines do.
+        cond: ``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``.
+
+    Returns:
+        The velocity ``v = ε − x0``, float32 ``(B, C, H, W)``.
+    """
+    param = next(denoiser.parameters())
+    device, dtype = param.device, param.dtype
+    kwargs = {key: value.to(device, dtype) for key, value in cond.items()}
+    out = denoiser(
+        hidden_states=latents.to(device, dtype),
+        timestep=timestep.to(device, torch.float32),
+        return_dict=False,
+        **kwargs,
+    )[0]
+    return out.float()
+
+
+class SD3Family:
+    """Diffusers SD3 / SD3.5 pipelines: ``SD3Transformer2DModel`` over VAE latents, CLIP×2 (+T5) text.
+
+    Implements :class:`miles.models.base.ModelFamily`. Cond kwargs: ``{"encoder_hidden_states": (B, 77 + T5 length,
+    joint_attention_dim), "pooled_projections": (B, 2 · CLIP projection)}``.
+    """
 
     name = "sd3"
 
     def __init__(self, pipeline_path: str | Path) -> None:
-        super().__init__(pipeline_path)
+        self.pipeline_path = Path(pipeline_path)
         self._vae = None
+
+    def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+        return load_sd3_transformer(path, dtype)
 
     def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> SD3PromptEncoder:
         return SD3PromptEncoder(path, device=device)
 
+    def encode_prompts(self, encoder: SD3PromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``, float32 on the CPU.
+
+        Raises:
+            ValueError: on an empty prompt list.
+        """
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        hidden, pooled = encoder.encode(list(prompts))
+        return {
+            "encoder_hidden_states": hidden.detach().to("cpu", torch.float32),
+            "pooled_projections": pooled.detach().to("cpu", torch.float32),
+        }
+
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
-        config = read_json(Path(path) / "transformer" / "config.json", "transformer config")
-        return (int(config["in_channels"]), int(config["sample_size"]), int(config["sample_size"]))
+        return sd3_latent_shape(path)
+
+    def predict_velocity(
+        self, denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return sd3_velocity(denoiser, latents, timestep, cond)
+
+    def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
+        """The ``JointTransformerBlock``s (diffusers' ``_no_split_modules`` of SD3)."""
+        return list(denoiser.transformer_blocks)
 
     @property
     def vae(self):

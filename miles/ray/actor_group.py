@@ -8,15 +8,48 @@ import logging
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
-from miles.utils.types import Box
+from miles.utils.types import Box, PromptShard
 
-__all__ = ["RayTrainGroup"]
+__all__ = ["RayTrainGroup", "split_shard", "evaluate_on"]
 
 logger = logging.getLogger(__name__)
+
+
+def split_shard(shard: PromptShard, parts: int) -> tuple[list[PromptShard], int]:
+    """Split an evaluation shard into ``parts`` equal contiguous shards, padding with copies of its last sample so
+    that every rank runs the same forwards (FSDP collectives). Returns the shards and the pad count to drop."""
+    total = len(shard)
+    size = -(-total // parts)
+    pad = size * parts - total
+
+    def padded(values: list) -> list:
+        return values + values[-1:] * pad
+
+    indices, prompts, records = padded(shard.sample_indices), padded(shard.prompts), padded(shard.records)
+    shards = [
+        PromptShard(
+            shard.rollout_id,
+            indices[i * size : (i + 1) * size],
+            prompts[i * size : (i + 1) * size],
+            records[i * size : (i + 1) * size],
+            shard.base_dir,
+        )
+        for i in range(parts)
+    ]
+    return shards, pad
+
+
+def evaluate_on(workers: list, shard: PromptShard, **kwargs: Any) -> torch.Tensor:
+    """Sample ``shard`` split over ``workers`` (actor ranks or engine replicas, each with ``evaluate``): uint8
+    images ``(B, H, W, C)`` in the shard's order."""
+    shards, pad = split_shard(shard, len(workers))
+    images = torch.cat(ray.get([worker.evaluate.remote(part, **kwargs) for worker, part in zip(workers, shards)]))
+    return images[: len(images) - pad] if pad else images
 
 
 class RayTrainGroup:
@@ -32,6 +65,7 @@ class RayTrainGroup:
         pg: ``(placement_group, bundle_indices)``, one bundle index per rank.
         num_gpus_per_actor, num_cpus_per_actor: the fraction of its bundle each rank reserves
             (``placement_group.trainer_resources``).
+        num_threads: torch CPU threads per rank (the bundle's CPUs).
 
     Raises:
         ValueError: if the placement group has fewer bundles than ranks.
@@ -46,10 +80,12 @@ class RayTrainGroup:
         pg: tuple[PlacementGroup, list[int]],
         num_gpus_per_actor: float,
         num_cpus_per_actor: float,
+        num_threads: int | None = None,
     ) -> None:
         self.args = args
         self.role = role
         self.world_size = num_nodes * num_gpus_per_node
+        self.num_threads = num_threads
         # Set by create_training_models from async_init: 0, or the loaded checkpoint's rollout + 1.
         self.start_rollout_id = 0
         placement_group, bundle_indices = pg
@@ -68,44 +104,53 @@ class RayTrainGroup:
             self.actors.append(remote_cls.options(**options).remote())
         # Rank 0's node hosts the process group's rendezvous.
         self.master_addr, self.master_port = ray.get(self.actors[0].get_master_addr_and_port.remote())
-        logger.info("%s group: %d ranks, master %s:%d", role, self.world_size, self.master_addr, self.master_port)
+        logger.debug("%s group: %d ranks, master %s:%d", role, self.world_size, self.master_addr, self.master_port)
 
     def async_init(self) -> list[ray.ObjectRef]:
         """Each rank joins the process group and loads its models; each ref resolves to the first rollout id."""
         return [
-            actor.init.remote(self.args, self.role, self.master_addr, self.master_port, rank, self.world_size)
+            actor.init.remote(
+                self.args, self.role, self.master_addr, self.master_port, rank, self.world_size, self.num_threads
+            )
             for rank, actor in enumerate(self.actors)
         ]
 
+    def _check_per_rank(self, what: str, values: list) -> None:
+        if len(values) != self.world_size:
+            raise ValueError(f"{self.role} group has {self.world_size} ranks but got {len(values)} {what}")
+
+    def async_generate(self, rollout_id: int, shard_boxes: list[Box]) -> list[ray.ObjectRef]:
+        """Rank i generates and converts ``shard_boxes[i]``; each ref resolves to its ``RolloutResult``."""
+        self._check_per_rank("prompt shards", shard_boxes)
+        return [actor.generate.remote(rollout_id, box) for actor, box in zip(self.actors, shard_boxes)]
+
+    def evaluate(self, shard: PromptShard, **kwargs: Any) -> torch.Tensor:
+        """Sample ``shard`` with the student, split over the ranks: uint8 images ``(B, H, W, C)`` in order."""
+        return evaluate_on(self.actors, shard, **kwargs)
+
     def async_train(
-        self, rollout_id: int, rollout_data_refs: list[Box], external_data: dict[str, list[Box]] | None = None
+        self, rollout_id: int, pairs_boxes: list[Box], external_data: dict[str, list[Box]] | None = None
     ) -> list[ray.ObjectRef]:
-        """Train every rank on its shard; rank i gets ``rollout_data_refs[i]`` and ``{role: boxes[i]}``.
+        """Train every rank on its pairs; rank i gets ``pairs_boxes[i]`` and ``{role: boxes[i]}``.
 
         Args:
             rollout_id: the rollout.
-            rollout_data_refs: the rollout manager's boxes, one per rank.
+            pairs_boxes: the generated train pairs, one box per rank.
             external_data: earlier groups' train outputs this rollout, ``{role: [Box per rank]}``.
 
         Returns:
-            One ref per rank, each resolving to the rank's ``Box`` of its train output.
+            One ref per rank, each resolving to the rank's ``TrainResult``.
 
         Raises:
             ValueError: if a list does not hold one box per rank.
         """
         external_data = external_data or {}
-        if len(rollout_data_refs) != self.world_size:
-            raise ValueError(
-                f"{self.role} group has {self.world_size} ranks but the rollout has {len(rollout_data_refs)} shards"
-            )
+        self._check_per_rank("train-pair shards", pairs_boxes)
         for role, boxes in external_data.items():
-            if len(boxes) != self.world_size:
-                raise ValueError(
-                    f"{self.role} group has {self.world_size} ranks but group {role!r} handed over {len(boxes)} outputs"
-                )
+            self._check_per_rank(f"outputs of group {role!r}", boxes)
         return [
             actor.train.remote(
-                rollout_id, rollout_data_refs[rank], {role: boxes[rank] for role, boxes in external_data.items()}
+                rollout_id, pairs_boxes[rank], {role: boxes[rank] for role, boxes in external_data.items()}
             )
             for rank, actor in enumerate(self.actors)
         ]
@@ -115,20 +160,20 @@ class RayTrainGroup:
         return [actor.save.remote(rollout_id, data_state) for actor in self.actors]
 
     def async_sleep(self) -> list[ray.ObjectRef]:
-        """Move every rank's model and optimizer state off the device."""
+        """Move every rank's model and optimizer state off the device; each ref resolves to its seconds."""
         return [actor.sleep.remote() for actor in self.actors]
 
     def async_wake_up(self) -> list[ray.ObjectRef]:
-        """Move every rank's state back onto the device."""
+        """Move every rank's state back onto the device; each ref resolves to its seconds."""
         return [actor.wake_up.remote() for actor in self.actors]
 
-    def async_update_weights(self, rollout_manager) -> list[ray.ObjectRef]:
-        """Push the gathered weights to the rollout engine (rank 0 sends; all ranks gather)."""
-        return [actor.update_weights.remote(rollout_manager) for actor in self.actors]
+    def async_update_weights(self, engines: list) -> list[ray.ObjectRef]:
+        """Push the gathered weights to the dedicated engine replicas (rank 0 sends; all ranks gather)."""
+        return [actor.update_weights.remote(engines) for actor in self.actors]
 
-    def async_export_hf(self, out_dir: str) -> list[ray.ObjectRef]:
+    def async_export_hf(self, out_dir: str, schedule: dict[str, Any]) -> list[ray.ObjectRef]:
         """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes)."""
-        return [actor.export_hf.remote(out_dir) for actor in self.actors]
+        return [actor.export_hf.remote(out_dir, schedule) for actor in self.actors]
 
     def async_get_full_state_dict(self) -> list[ray.ObjectRef]:
         """Every rank joins the gather; rank 0's ref holds the unsharded state dict, the others ``{}``."""

@@ -1,9 +1,11 @@
-"""Where the trainer groups and the rollout manager run.
+"""Where the trainer groups and the rollout engines run.
 
-One placement-group bundle per trainer rank: ``{"GPU": 1, "CPU": 1}`` on a cluster with GPUs, ``{"CPU": 1}``
+One placement-group bundle per trainer rank: ``{"GPU": 1, "CPU": c}`` on a cluster with GPUs, ``{"CPU": c}``
 without (``--actor-num-gpus-per-node`` then counts CPU ranks), so a laptop, CI and a multi-node cluster run the same
-code. Every trainer group of a run has the same DP size and sits on the same bundles (colocated); the rollout
-manager and its engine share bundle 0 with them (``--rollout-num-gpus 0``, the default) or get their own bundles.
+code. Every trainer group of a run has the same DP size and sits on the same bundles (colocated): rank i of each
+group shares bundle i, and the groups take turns on it (the driver runs them one after the other). The actor group's
+ranks generate the rollouts themselves; ``--rollout-num-gpus N`` instead reserves N bundles for N engine replicas.
+The RolloutManager only reads prompts and reserves no bundle.
 
 The fractions of a bundle each process reserves are the constants below and nowhere else.
 """
@@ -13,29 +15,23 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.ray.actor_group import RayTrainGroup
-from miles.utils.trainer_config import compute_trainer_args, compute_trainer_configs
+from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
 
 __all__ = [
-    "TRAINER_BUNDLE_SHARE",
-    "ENGINE_BUNDLE_SHARE",
     "PLACEMENT_TIMEOUT_S",
-    "use_gpu_bundles",
-    "trainer_resources",
-    "rollout_resources",
+    "bundle_cpus",
+    "create_engine_group",
     "create_placement_groups",
-    "create_training_models",
     "create_rollout_manager",
+    "create_training_models",
+    "trainer_resources",
+    "use_gpu_bundles",
 ]
 
 logger = logging.getLogger(__name__)
 
-# A colocated bundle is split between the trainer groups (equally) and the rollout manager with its engine. Ray
-# counts these fractions only for scheduling; sleep/wake is what actually frees device memory between the users.
-TRAINER_BUNDLE_SHARE = 0.8
-ENGINE_BUNDLE_SHARE = 0.2
 # How long to wait for the cluster to grant the bundles before failing with the flags to change.
 PLACEMENT_TIMEOUT_S = 120
 
@@ -45,25 +41,23 @@ def use_gpu_bundles() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def engine_colocated(args) -> bool:
-    """The rollout manager shares the trainers' bundle 0 unless ``--rollout-num-gpus`` gives it its own."""
-    return not args.rollout_num_gpus
+def bundle_cpus(args) -> int:
+    """CPUs per bundle: ``--num-cpus-per-rank``, or the smallest node's CPUs divided among the processes that hold a
+    bundle on it (``--actor-num-gpus-per-node`` trainer ranks, plus the engine replicas), at least 1. Needs
+    ``ray.init`` first."""
+    if getattr(args, "num_cpus_per_rank", None):
+        return int(args.num_cpus_per_rank)
+    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
+    node_cpus = [cpus for cpus in node_cpus if cpus > 0] or [1]
+    per_node = args.actor_num_gpus_per_node + (args.rollout_num_gpus if args.actor_num_nodes == 1 else 0)
+    return max(1, int(min(node_cpus) // max(1, per_node)))
 
 
-def trainer_resources(num_groups: int, colocated_engine: bool, use_gpu: bool) -> tuple[float, float]:
-    """``(num_gpus, num_cpus)`` each trainer rank reserves of its bundle.
-
-    The trainer share (all of the bundle when the engine has its own) is split equally among the ``num_groups``
-    colocated groups: 2 groups with a colocated engine take 0.4 each and the engine 0.2.
-    """
-    share = (TRAINER_BUNDLE_SHARE if colocated_engine else 1.0) / num_groups
-    return (share if use_gpu else 0.0), share
-
-
-def rollout_resources(colocated_engine: bool, use_gpu: bool) -> tuple[float, float]:
-    """``(num_gpus, num_cpus)`` of the rollout manager: a slice of bundle 0, or all of its own first bundle."""
-    share = ENGINE_BUNDLE_SHARE if colocated_engine else 1.0
-    return (share if use_gpu else 0.0), share
+def trainer_resources(num_groups: int, use_gpu: bool, cpus: int) -> tuple[float, float]:
+    """``(num_gpus, num_cpus)`` each trainer rank reserves of its bundle: an equal share among the colocated
+    groups (2 groups on a 1-GPU, 2-CPU bundle take 0.5 GPU and 1 CPU each)."""
+    share = 1.0 / num_groups
+    return (share if use_gpu else 0.0), share * cpus
 
 
 def _ready(pg: PlacementGroup, what: str, bundles: list[dict[str, float]]) -> PlacementGroup:
@@ -73,7 +67,7 @@ def _ready(pg: PlacementGroup, what: str, bundles: list[dict[str, float]]) -> Pl
         raise RuntimeError(
             f"the Ray cluster could not place {len(bundles)} bundles of {bundles[0]} for {what} within "
             f"{PLACEMENT_TIMEOUT_S}s (cluster has {ray.cluster_resources()}); lower --actor-num-nodes / "
-            "--actor-num-gpus-per-node / --rollout-num-gpus or add resources"
+            "--actor-num-gpus-per-node / --rollout-num-gpus / --num-cpus-per-rank or add resources"
         ) from exc
     return pg
 
@@ -82,39 +76,43 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
     """Reserve the run's bundles.
 
     Returns:
-        ``{"actor": (pg, [bundle per trainer rank]), "rollout": (pg, [bundle indices of the rollout manager])}``;
-        every trainer group uses the ``"actor"`` entry.
+        ``{"actor": (pg, [bundle per trainer rank])}``, plus ``"rollout": (pg, [bundle per engine replica])`` with
+        ``--rollout-num-gpus``; every trainer group uses the ``"actor"`` entry.
 
     Raises:
         RuntimeError: if the cluster cannot grant the bundles in time.
     """
-    bundle = {"GPU": 1, "CPU": 1} if use_gpu_bundles() else {"CPU": 1}
+    cpus = bundle_cpus(args)
+    bundle = {"GPU": 1, "CPU": cpus} if use_gpu_bundles() else {"CPU": cpus}
     num_ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
     bundles = [dict(bundle) for _ in range(num_ranks)]
-    trainer_pg = _ready(placement_group(bundles, strategy="PACK"), "the trainer groups", bundles)
-    pgs = {"actor": (trainer_pg, list(range(num_ranks)))}
-    if engine_colocated(args):
-        pgs["rollout"] = (trainer_pg, [0])
-    else:
-        rollout_bundles = [dict(bundle) for _ in range(args.rollout_num_gpus)]
-        rollout_pg = _ready(placement_group(rollout_bundles, strategy="PACK"), "the rollout engine", rollout_bundles)
-        pgs["rollout"] = (rollout_pg, list(range(args.rollout_num_gpus)))
-    logger.info("placement: %d trainer bundles of %s, rollout on %s", num_ranks, bundle, pgs["rollout"][1])
+    pgs = {
+        "actor": (
+            _ready(placement_group(bundles, strategy="PACK"), "the trainer groups", bundles),
+            list(range(num_ranks)),
+        )
+    }
+    if args.rollout_num_gpus:
+        engine_bundles = [dict(bundle) for _ in range(args.rollout_num_gpus)]
+        engine_pg = _ready(placement_group(engine_bundles, strategy="PACK"), "the rollout engines", engine_bundles)
+        pgs["rollout"] = (engine_pg, list(range(args.rollout_num_gpus)))
+    logger.debug("placement: %d trainer bundles of %s, %d engine bundles", num_ranks, bundle, args.rollout_num_gpus)
     return pgs
 
 
-def create_training_models(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) -> dict[str, RayTrainGroup]:
-    """Spawn and initialise one ``RayTrainGroup`` per ``compute_trainer_configs(args)`` entry, in training order.
+def create_training_models(
+    args, configs: list[TrainerConfig], pgs: dict[str, tuple[PlacementGroup, list[int]]]
+) -> dict[str, RayTrainGroup]:
+    """Spawn and initialise one ``RayTrainGroup`` per trainer config, in training order.
 
     Each group gets ``compute_trainer_args(args, config)``; all groups initialise concurrently. Each returned
     group's ``start_rollout_id`` is 0, or its checkpoint's rollout + 1 with ``--load``.
 
     Raises:
-        RuntimeError: if the groups' checkpoints resume at different rollouts (e.g. an actor checkpoint newer than
-            the critic's ``<load>_critic``).
+        RuntimeError: if the groups' checkpoints resume at different rollouts.
     """
-    configs = compute_trainer_configs(args)
-    gpus, cpus = trainer_resources(len(configs), engine_colocated(args), use_gpu_bundles())
+    cpus = bundle_cpus(args)
+    gpus, cpus_per_rank = trainer_resources(len(configs), use_gpu_bundles(), cpus)
     groups = {
         config.role: RayTrainGroup(
             compute_trainer_args(args, config),
@@ -123,7 +121,8 @@ def create_training_models(args, pgs: dict[str, tuple[PlacementGroup, list[int]]
             args.actor_num_gpus_per_node,
             pgs["actor"],
             num_gpus_per_actor=gpus,
-            num_cpus_per_actor=cpus,
+            num_cpus_per_actor=cpus_per_rank,
+            num_threads=cpus,
         )
         for config in configs
     }
@@ -142,12 +141,21 @@ def create_training_models(args, pgs: dict[str, tuple[PlacementGroup, list[int]]
     return groups
 
 
-def create_rollout_manager(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) -> Any:
-    """Start the ``RolloutManager`` actor on the rollout bundle; it splits every rollout over the trainers' DP size."""
+def create_engine_group(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) -> Any:
+    """The ``--rollout-num-gpus`` engine replicas on their own bundles, or None when the actor ranks generate."""
+    if "rollout" not in pgs:
+        return None
+    from miles.ray.engine_group import EngineGroup
+
+    cpus = bundle_cpus(args)
+    return EngineGroup(
+        args, pgs["rollout"], num_gpus=1.0 if use_gpu_bundles() else 0.0, num_cpus=cpus, num_threads=cpus
+    )
+
+
+def create_rollout_manager(args) -> Any:
+    """Start the ``RolloutManager`` actor (prompt source and DP split; it reserves no CPU of the bundles)."""
     from miles.ray.rollout import RayRolloutManager
 
-    pg, bundle_indices = pgs["rollout"]
-    gpus, cpus = rollout_resources(engine_colocated(args), use_gpu_bundles())
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_indices[0])
     dp = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return RayRolloutManager.options(num_gpus=gpus, num_cpus=cpus, scheduling_strategy=strategy).remote(args, dp)
+    return RayRolloutManager.options(num_cpus=0).remote(args, dp)

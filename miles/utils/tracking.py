@@ -1,9 +1,8 @@
 """Metrics logging: always a JSONL file in the run directory, plus Weights & Biases with ``--use-wandb``.
 
-Several processes log into one run: the driver (``perf/*``) and rank 0 of every trainer group (``train/*``). Each
-appends whole lines to ``<output_dir>/metrics.jsonl`` (one ``write`` per record, opened in append mode, so lines
-from different processes never interleave). Each process that uses wandb opens its own wandb run, grouped under
-the run directory's name, with ``job_type`` the logging job (``driver``, ``actor``, ``critic``).
+One process logs a run: the driver. The trainer groups hand their per-step metrics (averaged over the DP ranks) and
+timers back with each rollout's train result, so one job is one ``metrics.jsonl`` and one wandb run. Each record is
+appended as one whole line (one ``write`` on an ``O_APPEND`` descriptor).
 """
 
 import json
@@ -58,7 +57,7 @@ class MetricsTracker:
             project=getattr(args, "wandb_project", "miles"),
             group=Path(args.output_dir).resolve().name,
             job_type=job,
-            name=f"{getattr(args, 'wandb_run_name', None) or Path(args.output_dir).resolve().name}-{job}",
+            name=getattr(args, "wandb_run_name", None) or Path(args.output_dir).resolve().name,
             dir=str(args.output_dir),
             mode=mode,
             config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
@@ -91,9 +90,8 @@ class MetricsTracker:
 
                 payload.update({key: wandb.Image(str(path)) for key, path in images.items()})
             self._wandb_run.log(payload)
-        # The driver's timers every rollout would drown the tqdm bar; train metrics stay visible.
-        level = logging.DEBUG if self.job == "driver" else logging.INFO
-        logger.log(level, "%s rollout %d: %s", self.job, rollout_id, _format(metrics))
+        # Records go to the file and wandb; the console shows the progress bar (--log-level DEBUG shows them too).
+        logger.debug("%s rollout %d: %s", self.job, rollout_id, _format(metrics))
 
     def finish(self) -> None:
         """Close the wandb run, if any (the JSONL file needs no closing)."""

@@ -1,0 +1,98 @@
+"""What one ``--loss-type`` declares: the ``Method`` base class, and helpers its modules share.
+
+A method owns everything that makes its algorithm: its flags (an argument group), the defaults it fills (hook paths,
+what the engine must encode), its validation, its trainer groups (``TrainerConfig`` list) and what an export of its
+student records. The generic pieces (engine, trainer, driver, export) read the plain settings a method fills and
+never compare ``--loss-type`` themselves. Built-in hooks are referenced by import (:func:`hook_path`), so renaming
+one breaks at import time, not inside a Ray worker; user hooks stay dotted paths.
+"""
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles.utils.trainer_config import TrainerConfig
+from miles.utils.validation import reject
+
+__all__ = ["Method", "PhaseWork", "fill_defaults", "hook_path", "require_teacher_consumer"]
+
+
+def hook_path(fn: Callable) -> str:
+    """The dotted path of an imported hook function, as the ``--custom-*-path`` flags hold it."""
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """Set each ``args.<name>`` that is still None to its default; a value the user set is never overwritten."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def require_teacher_consumer(args: argparse.Namespace, default_hooks: dict[str, str]) -> None:
+    """``--teacher-load`` needs a hook that reads ``ctx.teacher_models``: one the user set, not a method default.
+
+    Args:
+        default_hooks: ``{dest: path}`` the method filled (its prepare and loss hooks do not read a teacher).
+    """
+    if args.teacher_load is None:
+        return
+    user_hooks = [
+        getattr(args, dest) not in (None, default_hooks.get(dest))
+        for dest in (
+            "custom_prepare_train_batch_path",
+            "custom_loss_function_path",
+            "custom_train_output_function_path",
+        )
+    ]
+    if not any(user_hooks):
+        reject(
+            "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
+            "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
+        )
+
+
+@dataclass(frozen=True)
+class PhaseWork:
+    """One phase of a rollout as one DP rank runs it (``--dry-run`` prints these).
+
+    Attributes:
+        phase: e.g. ``"rollout"``, ``"critic steps"``, ``"scoring"``, ``"actor step"``.
+        forwards, backwards: denoiser forwards / backwards per rollout on this rank.
+        batch: samples per forward.
+    """
+
+    phase: str
+    forwards: int
+    backwards: int
+    batch: int
+
+
+class Method:
+    """One ``--loss-type``. Subclasses override what their algorithm needs; the defaults describe plain SFT-like
+    training by one actor group."""
+
+    name: str = ""
+    description: str = ""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add this method's own flags (an argument group). They are rejected under the other loss types."""
+
+    def set_defaults(self, args: argparse.Namespace) -> None:
+        """Fill what this method needs where the user left it unset (hook paths, the engine's settings)."""
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """Reject what this method cannot run (``ArgumentValidationError``, one line naming the flags)."""
+
+    def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
+        """The run's trainer groups in training order; the actor (student) is always one of them."""
+        return [TrainerConfig("actor")]
+
+    def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
+        """Extra keyword arguments of ``write_sampling_schedule`` an export of the student records."""
+        return {}
+
+    def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
+        """The forwards a group's train-output hook runs per rollout on one rank (``--dry-run``)."""
+        return []
