@@ -11,7 +11,7 @@ Per rollout (docs/architecture.md)::
 Train the bundled digits pipeline with SFT on 2 CPU ranks::
 
     python -m miles.models.digits init /tmp/digits
-    python -m miles.eval.digits_data /tmp/digits_data
+    python -m miles.eval.digits.data /tmp/digits_data
     python train_diffusion.py --loss-type sft_loss --train-only --hf-checkpoint /tmp/digits \\
         --prompt-data /tmp/digits_data/train.jsonl --actor-num-gpus-per-node 2 --rollout-batch-size 32 \\
         --micro-batch-size 16 --num-rollout 150 --lr 1e-3 --save /tmp/ckpt --save-interval 50 \\
