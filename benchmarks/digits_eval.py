@@ -7,7 +7,7 @@
 
 Rows: the teacher at ``--teacher-steps`` Euler steps (28 4 1) with CFG ``--guidance-scale``; each student at its
 exported schedule (plus ``--student-steps`` extra step counts); the real-digits baseline at the same sample count.
-Writes ``summary.md``, ``summary.json`` and one PNG grid per row into ``--out`` (see ``miles.eval.digits``).
+Writes ``summary.md``, ``summary.json`` and one PNG grid per row into ``--out`` (see ``miles.eval.digits.hook``).
 """
 
 import argparse
@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from miles.eval.digits import TEACHER_STEPS, evaluate_suite
+from miles.eval.digits.hook import TEACHER_STEPS, evaluate_suite
 from miles.eval.report import format_summary_table
 
 

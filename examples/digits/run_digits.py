@@ -7,7 +7,7 @@
 
 Stages (each reuses its output when that output is complete, so an interrupted run picks up where it stopped):
 
-1. data      ``miles.eval.digits_data``: sklearn's digits, a fixed stratified train / held-out split, JSONL files.
+1. data      ``miles.eval.digits.data``: sklearn's digits, a fixed stratified train / held-out split, JSONL files.
 2. init      ``python -m miles.models.digits init``: a fresh 0.6M-parameter SD3 transformer pipeline.
 3. teacher   ``train_diffusion.py --loss-type sft_loss --train-only``: flow matching on the train split, with 10%
              of the prompts dropped to the empty prompt so the teacher supports CFG.
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    from miles.eval.digits_data import write_digits_jsonl
+    from miles.eval.digits.data import write_digits_jsonl
 
     data = write_digits_jsonl(out / "data")
 

@@ -1,12 +1,15 @@
-"""PNG grids of generated digits: one row per class 0..9, labelled, upscaled without smoothing.
+"""PNG grids of generated images, upscaled without smoothing: plain tiles, or one labelled row per class.
 
-Layout (all sizes in output pixels; ``cell = H·scale × W·scale``)::
+:func:`save_image_grid` tiles images in input order (the driver's train-time eval grid).
+:func:`render_labelled_grid` / :func:`save_labelled_grid` gather the images of each class into one row and write the
+row's name in a label column on the left (the digits grid is this with row names "0".."9"). Layout (all sizes in
+output pixels; ``cell = H·scale × W·scale``)::
 
     ┌──────────────── title band (only with a title) ────────────────┐
     │ sp │ label │ sp │ cell │ sp │ cell │ sp │ ... (per_row cells) │ sp
-    │ "0"  images whose label is 0, in input order                     │
+    │ row_names[0]  images whose label is 0, in input order           │
     │ ...                                                               │
-    │ "9"                                                               │
+    │ row_names[R − 1]                                                  │
 
 Rows are separated by ``spacing`` pixels of background (white). A class with fewer than ``per_row`` images leaves
 its remaining cells blank; images beyond ``per_row`` are not drawn.
@@ -14,21 +17,21 @@ its remaining cells blank; images beyond ``per_row`` are not drawn.
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from miles.eval.digits_data import to_uint8_images
+from miles.eval.images import to_uint8_images
 
-__all__ = ["render_digit_grid", "save_digit_grid", "save_image_grid"]
+__all__ = ["render_labelled_grid", "save_labelled_grid", "save_image_grid"]
 
 logger = logging.getLogger(__name__)
 
 _BACKGROUND = 255
 _INK = 0
-_NUM_CLASSES = 10
 
 
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
@@ -37,9 +40,15 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     return ImageFont.load_default(size=size)
 
 
-def render_digit_grid(
+def _text_width(font, text: str) -> int:
+    left, _, right, _ = font.getbbox(text)
+    return int(np.ceil(right - left))
+
+
+def render_labelled_grid(
     images: Any,
     labels: Any,
+    row_names: Sequence[str],
     *,
     per_row: int = 10,
     scale: int = 6,
@@ -47,21 +56,23 @@ def render_digit_grid(
     label_width: int | None = None,
     title: str | None = None,
 ) -> Image.Image:
-    """Draw the grid and return it as a PIL image (mode "L" for grayscale input, "RGB" for 3-channel input).
+    """Draw one row per class and return the grid as a PIL image (mode "L" for grayscale, "RGB" for 3-channel input).
 
     Args:
         images: uint8 ``[N, H, W]`` or ``[N, H, W, C]`` (C = 1 or 3) pixels 0..255, or float latents
-            ``[N, C, H, W]`` in ``[-1, 1]`` (see :func:`miles.eval.digits_data.to_uint8_images`).
-        labels: int ``[N]`` digit of each image, 0..9; selects the row.
+            ``[N, C, H, W]`` in ``[-1, 1]`` (see :func:`miles.eval.images.to_uint8_images`).
+        labels: int ``[N]`` class of each image, ``0..len(row_names) − 1``; selects the row.
+        row_names: the text of each row's label, e.g. ``["0", ..., "9"]`` or ``["cat", "dog"]`` (≥ 1 name).
         per_row: cells per row (≥ 1).
         scale: integer nearest-neighbour upscaling factor (≥ 1): each pixel becomes a ``scale × scale`` block.
         spacing: background pixels around and between cells (≥ 0).
-        label_width: width of the left label column; default ``max(12, cell_width // 2)``.
+        label_width: width of the left label column; default ``max(12, cell_width // 2)``, widened to fit the
+            widest row name.
         title: optional text drawn in a band above the rows.
 
     Raises:
-        ValueError: on a label outside 0..9, a label count that differs from the image count, an unsupported
-            channel count, or a non-positive ``per_row`` / ``scale``.
+        ValueError: on a label outside ``0..len(row_names) − 1``, no row names, a label count that differs from the
+            image count, an unsupported channel count, or a non-positive ``per_row`` / ``scale``.
     """
     pixels = to_uint8_images(images)
     if pixels.ndim == 4 and pixels.shape[-1] == 1:
@@ -69,32 +80,42 @@ def render_digit_grid(
     if pixels.ndim == 4 and pixels.shape[-1] != 3:
         raise ValueError(f"grid images need 1 or 3 channels, got shape {list(pixels.shape)}")
     labels = np.asarray(labels).reshape(-1)
+    num_rows = len(row_names)
+    if num_rows < 1:
+        raise ValueError("a labelled grid needs at least one row name")
     if len(labels) != len(pixels):
         raise ValueError(f"got {len(pixels)} images but {len(labels)} labels")
-    if len(labels) and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() > 9):
-        raise ValueError(f"grid labels must be integers 0..9, got values {sorted(set(labels.tolist()))[:12]}")
+    if len(labels) and (
+        not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() > num_rows - 1
+    ):
+        raise ValueError(
+            f"grid labels must be integers 0..{num_rows - 1} (one per row name), "
+            f"got values {sorted(set(labels.tolist()))[:12]}"
+        )
     if per_row < 1 or scale < 1 or spacing < 0:
         raise ValueError(f"per_row={per_row} and scale={scale} must be >= 1 and spacing={spacing} >= 0")
 
     height, width = pixels.shape[1:3]
     cell_h, cell_w = height * scale, width * scale
-    label_w = label_width if label_width is not None else max(12, cell_w // 2)
     font_size = max(8, min(cell_h * 3 // 5, 24))
     font = _font(font_size)
+    if label_width is not None:
+        label_w = label_width
+    else:
+        label_w = max(12, cell_w // 2, *(_text_width(font, str(name)) for name in row_names))
     title_h = font_size + 2 * spacing if title else 0
     grid_w = spacing + label_w + spacing + per_row * (cell_w + spacing)
     if title:
         # Widen the canvas (blank on the right) rather than clip a title longer than the rows.
-        left, _, right, _ = font.getbbox(title)
-        grid_w = max(grid_w, int(np.ceil(right - left)) + 2 * spacing)
-    grid_h = title_h + spacing + _NUM_CLASSES * (cell_h + spacing)
+        grid_w = max(grid_w, _text_width(font, title) + 2 * spacing)
+    grid_h = title_h + spacing + num_rows * (cell_h + spacing)
     channel_shape = (3,) if pixels.ndim == 4 else ()
     canvas = np.full((grid_h, grid_w, *channel_shape), _BACKGROUND, dtype=np.uint8)
 
     cells_x0 = spacing + label_w + spacing
-    for label in range(_NUM_CLASSES):
-        y0 = title_h + spacing + label * (cell_h + spacing)
-        for column, index in enumerate(np.flatnonzero(labels == label)[:per_row]):
+    for row in range(num_rows):
+        y0 = title_h + spacing + row * (cell_h + spacing)
+        for column, index in enumerate(np.flatnonzero(labels == row)[:per_row]):
             x0 = cells_x0 + column * (cell_w + spacing)
             upscaled = np.repeat(np.repeat(pixels[index], scale, axis=0), scale, axis=1)
             canvas[y0 : y0 + cell_h, x0 : x0 + cell_w] = upscaled
@@ -102,9 +123,9 @@ def render_digit_grid(
     image = Image.fromarray(canvas)  # 2-D → mode "L", [H, W, 3] → "RGB"
     draw = ImageDraw.Draw(image)
     ink = (_INK,) * 3 if channel_shape else _INK
-    for label in range(_NUM_CLASSES):
-        center_y = title_h + spacing + label * (cell_h + spacing) + cell_h / 2
-        _draw_centered(draw, str(label), (spacing + label_w / 2, center_y), font, ink)
+    for row, name in enumerate(row_names):
+        center_y = title_h + spacing + row * (cell_h + spacing) + cell_h / 2
+        _draw_centered(draw, str(name), (spacing + label_w / 2, center_y), font, ink)
     if title:
         left, top, _, _ = draw.textbbox((0, 0), title, font=font)
         draw.text((spacing - left, spacing - top), title, fill=ink, font=font)
@@ -119,9 +140,10 @@ def _draw_centered(draw: ImageDraw.ImageDraw, text: str, center: tuple[float, fl
     draw.text((x, y), text, fill=fill, font=font)
 
 
-def save_digit_grid(
+def save_labelled_grid(
     images: Any,
     labels: Any,
+    row_names: Sequence[str],
     path: str | os.PathLike,
     *,
     per_row: int = 10,
@@ -130,18 +152,18 @@ def save_digit_grid(
     label_width: int | None = None,
     title: str | None = None,
 ) -> str:
-    """Render the grid (see :func:`render_digit_grid`) and save it as PNG at ``path`` (parents created).
+    """Render the grid (see :func:`render_labelled_grid`) and save it as PNG at ``path`` (parents created).
 
     Returns:
         ``path`` as a string.
     """
-    image = render_digit_grid(
-        images, labels, per_row=per_row, scale=scale, spacing=spacing, label_width=label_width, title=title
+    image = render_labelled_grid(
+        images, labels, row_names, per_row=per_row, scale=scale, spacing=spacing, label_width=label_width, title=title
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG")
-    logger.info("saved digit grid %s (%dx%d)", path, image.width, image.height)
+    logger.info("saved labelled grid %s (%dx%d)", path, image.width, image.height)
     return str(path)
 
 
@@ -150,7 +172,7 @@ def save_image_grid(
 ) -> str:
     """Tile any model family's images in input order, ``per_row`` to a row, and save a PNG (parents created).
 
-    The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_digit_grid` it needs no labels.
+    The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_labelled_grid` it needs no labels.
 
     Args:
         images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255.

@@ -1,23 +1,23 @@
-"""Sample-quality figures for generated digits: class accuracy, Fréchet distance and diversity against real digits.
+"""Sample-quality figures on feature arrays the caller provides: Fréchet distance, precision/recall, spread ratio.
 
-All distances live in the feature space of :class:`miles.eval.classifier.DigitsClassifier` (its ReLU hidden layer),
-and the real reference is the held-out split of :mod:`miles.eval.digits_data`, which neither the teacher nor the
-classifier trained on.
+The module holds no feature extractor: compute features with whatever network suits the data (the digits
+classifier's hidden layer in :mod:`miles.eval.digits.metrics`, Inception-v3 pool features for FID, CLIP image
+embeddings, ...) and pass float arrays ``[N, F]``. Generated and reference features must come from the same
+extractor.
 
-* ``accuracy``: fraction of generated images that the classifier assigns to the class of their prompt.
-* ``fd``: Fréchet distance between Gaussians fitted to generated and real features (Heusel et al., 2017, "GANs
-  Trained by a Two Time-Scale Update Rule Converge to a Local Nash Equilibrium", eq. 6 — FID with the digits
-  classifier in place of Inception-v3). Lower is better; it grows both when samples are off-manifold and when they
-  lack variety.
-* ``precision`` / ``recall``: k-NN manifold estimates of Kynkäänniemi et al., 2019 ("Improved Precision and Recall
-  Metric for Assessing Generative Models"), k = 3. Recall is the fraction of real digits that fall inside the
+* ``frechet_distance``: Fréchet distance between Gaussians fitted to generated and real features (Heusel et al.,
+  2017, "GANs Trained by a Two Time-Scale Update Rule Converge to a Local Nash Equilibrium", eq. 6; FID when the
+  features are Inception-v3's). Lower is better; it grows both when samples are off-manifold and when they lack
+  variety.
+* ``precision_recall``: k-NN manifold estimates of Kynkäänniemi et al., 2019 ("Improved Precision and Recall Metric
+  for Assessing Generative Models"), k = 3 by default. Recall is the fraction of real samples that fall inside the
   generated manifold: low recall means the generator covers few of the real styles (mode collapse).
-* ``spread_ratio``: per class, the mean pairwise feature distance among generated images divided by the same among
-  real held-out images, averaged over classes. 1 means real-like within-class variety; CFG pushes it below 1.
+* ``spread_ratio``: per class, the mean pairwise feature distance among generated samples divided by the same among
+  real samples, averaged over classes. 1 means real-like within-class variety; CFG pushes it below 1.
+* ``feature_figures``: all of the above in one dict, the part of an evaluation that does not depend on the data.
 """
 
 import logging
-import os
 import warnings
 from typing import Any
 
@@ -25,18 +25,7 @@ import numpy as np
 import scipy.linalg
 from scipy.spatial.distance import cdist, pdist
 
-from miles.eval.classifier import DigitsClassifier, load_classifier
-from miles.eval.digits_data import load_split
-from miles.utils.misc import stable_hash
-
-__all__ = [
-    "frechet_distance",
-    "class_accuracy",
-    "precision_recall",
-    "spread_ratio",
-    "evaluate_images",
-    "evaluate_real_baseline",
-]
+__all__ = ["frechet_distance", "precision_recall", "spread_ratio", "feature_figures"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,28 +77,6 @@ def frechet_distance(feats_a: Any, feats_b: Any, *, eps: float = 1e-6) -> float:
     diff = mu_a - mu_b
     distance = float(diff @ diff + np.trace(cov_a) + np.trace(cov_b) - 2.0 * np.trace(covmean))
     return max(distance, 0.0)
-
-
-def class_accuracy(images: Any, labels: Any, *, classifier: DigitsClassifier | None = None) -> float:
-    """Fraction of ``images`` that ``classifier`` labels as their intended class.
-
-    Args:
-        images: uint8 ``[N, 8, 8]`` / ``[N, 8, 8, 1]`` pixels or float latents ``[N, 1, 8, 8]`` in ``[-1, 1]``.
-        labels: int ``[N]`` intended digit (the class of each image's prompt).
-        classifier: defaults to :func:`miles.eval.classifier.load_classifier`.
-
-    Returns:
-        accuracy in ``[0, 1]``.
-
-    Raises:
-        ValueError: if the number of labels differs from the number of images.
-    """
-    classifier = classifier or load_classifier()
-    labels = np.asarray(labels, dtype=np.int64)
-    predicted = classifier.predict(images)
-    if len(predicted) != len(labels):
-        raise ValueError(f"got {len(predicted)} images but {len(labels)} labels")
-    return float(np.mean(predicted == labels))
 
 
 def _knn_radii(feats: np.ndarray, k: int) -> np.ndarray:
@@ -188,119 +155,35 @@ def spread_ratio(feats: Any, labels: Any, ref_feats: Any, ref_labels: Any) -> fl
     return float(np.mean(ratios))
 
 
-def evaluate_images(
-    images: Any,
-    labels: Any,
-    *,
-    seed: int,
-    name: str,
-    classifier: DigitsClassifier | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    k: int = 3,
-    meta: dict | None = None,
-) -> dict:
-    """All figures for one set of generated digits, against the real held-out split.
+def feature_figures(
+    feats: Any, ref_feats: Any, *, labels: Any = None, ref_labels: Any = None, k: int = 3
+) -> dict[str, float | int]:
+    """Fréchet distance, k-NN precision/recall and (with labels) the spread ratio of generated vs real features.
 
     Args:
-        images: generated images, uint8 ``[N, 8, 8]`` / ``[N, 8, 8, 1]`` pixels 0..255 or float latents
-            ``[N, 1, 8, 8]`` in ``[-1, 1]`` (numpy or torch).
-        labels: int ``[N]``, the digit each image was prompted for.
-        seed: the sampling seed that produced ``images`` (reported, not used).
-        name: row name, e.g. ``"student-4step-cfg3"``.
-        classifier: defaults to ``load_classifier(cache_dir)``.
-        cache_dir: classifier cache directory when ``classifier`` is None.
+        feats: float ``[N, F]`` features of the generated samples, N > k.
+        ref_feats: float ``[M, F]`` features of the real reference samples, M > k, same F.
+        labels: int ``[N]`` class of each generated sample (the class it was prompted for), or None.
+        ref_labels: int ``[M]`` class of each reference sample; given together with ``labels``.
         k: neighbourhood size of precision/recall.
-        meta: extra fields copied into the result first (e.g. ``{"model": "student", "sampler": "dmd2",
-            "steps": 4, "guidance_scale": 3.0}``); computed figures take precedence on a key clash.
 
     Returns:
-        a JSON-serialisable dict with ``name``, ``seed``, ``n_samples`` (N), ``n_reference`` (held-out images),
-        ``accuracy``, ``per_class_accuracy`` (10 floats, None for classes without samples), ``fd``, ``precision``,
-        ``recall``, ``k``, ``spread_ratio`` and ``classifier_heldout_accuracy``, plus ``meta``'s fields.
+        ``{"fd", "precision", "recall", "k"}`` plus ``"spread_ratio"`` when labels are given: plain floats (``k`` an
+        int), JSON-serialisable.
 
     Raises:
-        ValueError: if the label count differs from the image count or there are at most ``k`` images.
+        ValueError: as :func:`frechet_distance`, :func:`precision_recall` and :func:`spread_ratio`, or when only one
+            of ``labels`` / ``ref_labels`` is given.
     """
-    classifier = classifier or load_classifier(cache_dir)
-    labels = np.asarray(labels, dtype=np.int64).reshape(-1)
-    feats = classifier.features(images)
-    if len(feats) != len(labels):
-        raise ValueError(f"evaluate_images({name!r}): got {len(feats)} images but {len(labels)} labels")
-    predicted = classifier.predict(images)
-    ref_images, ref_labels = load_split("heldout", classifier.split_seed)
-    ref_feats = classifier.features(ref_images)
+    if (labels is None) != (ref_labels is None):
+        raise ValueError("feature_figures: pass both labels and ref_labels (for the spread ratio) or neither")
     precision, recall = precision_recall(ref_feats, feats, k=k)
-    per_class = [float(np.mean(predicted[labels == c] == c)) if np.any(labels == c) else None for c in range(10)]
-    result = dict(meta or {})
-    result.update(
-        name=name,
-        seed=int(seed),
-        n_samples=int(len(labels)),
-        n_reference=int(len(ref_labels)),
-        accuracy=float(np.mean(predicted == labels)),
-        per_class_accuracy=per_class,
-        fd=frechet_distance(feats, ref_feats),
-        precision=precision,
-        recall=recall,
-        k=k,
-        spread_ratio=spread_ratio(feats, labels, ref_feats, ref_labels),
-        classifier_heldout_accuracy=classifier.heldout_accuracy,
-    )
-    logger.info(
-        "eval %s: n=%d seed=%d accuracy=%.4f fd=%.4f recall=%.3f spread=%.3f",
-        name,
-        result["n_samples"],
-        result["seed"],
-        result["accuracy"],
-        result["fd"],
-        recall,
-        result["spread_ratio"],
-    )
-    return result
-
-
-def evaluate_real_baseline(
-    n_samples: int,
-    *,
-    seed: int,
-    classifier: DigitsClassifier | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    k: int = 3,
-) -> dict:
-    """The same figures for ``n_samples`` *real* train-split digits: the floor a perfect generator would reach.
-
-    FD, precision and recall are biased by sample size (two disjoint halves of the held-out split are ~1.6 apart in
-    FD, the whole train split is ~0.4 from it), so generated figures should be read beside real ones at the same N.
-    The images are drawn class-balanced like prompt-conditioned samples: ``n_samples // 10`` per class plus one more
-    for the first ``n_samples % 10`` classes, without replacement, with
-    ``numpy.random.default_rng(stable_hash("real_baseline", seed, label))``.
-
-    Returns:
-        :func:`evaluate_images`'s dict with ``name="real-train"`` and meta ``{"model": "real", "sampler": "-"}``.
-
-    Raises:
-        ValueError: if a class has fewer train images than requested (``n_samples`` > 1390: digit 8 has 139 train images).
-    """
-    classifier = classifier or load_classifier(cache_dir)
-    train_images, train_labels = load_split("train", classifier.split_seed)
-    chosen = []
-    for label in range(10):
-        count = n_samples // 10 + (1 if label < n_samples % 10 else 0)
-        members = np.flatnonzero(train_labels == label)
-        if count > len(members):
-            raise ValueError(
-                f"real baseline: n_samples={n_samples} asks for {count} train images of digit {label}, "
-                f"only {len(members)} exist; use n_samples <= {10 * min(np.bincount(train_labels))}"
-            )
-        rng = np.random.default_rng(stable_hash("real_baseline", seed, label))
-        chosen.append(np.sort(rng.choice(members, size=count, replace=False)))
-    indices = np.concatenate(chosen)
-    return evaluate_images(
-        train_images[indices],
-        train_labels[indices],
-        seed=seed,
-        name="real-train",
-        classifier=classifier,
-        k=k,
-        meta={"model": "real", "sampler": "-"},
-    )
+    figures: dict[str, float | int] = {
+        "fd": frechet_distance(feats, ref_feats),
+        "precision": precision,
+        "recall": recall,
+        "k": k,
+    }
+    if labels is not None:
+        figures["spread_ratio"] = spread_ratio(feats, labels, ref_feats, ref_labels)
+    return figures

@@ -1,24 +1,28 @@
 """Summaries of evaluation results: a markdown table, a JSON file, and optional wandb logging.
 
-A result is the dict returned by :func:`miles.eval.metrics.evaluate_images`, usually with the meta fields
-``model`` ("teacher" / "student" / "real"), ``sampler`` ("euler" / "dmd2"), ``steps`` and ``guidance_scale``.
+A result is one row's flat dict of figures and settings, e.g. :func:`miles.eval.metrics.feature_figures`'s figures
+plus ``name``, ``n_samples``, ``seed`` and meta fields such as ``model`` ("teacher" / "student" / "real"),
+``sampler`` ("euler" / "dmd2"), ``steps`` and ``guidance_scale`` (:func:`miles.eval.digits.metrics.evaluate_images`
+returns such dicts). Which keys become columns and wandb scalars is a parameter; the defaults cover those fields.
 """
 
 import json
 import logging
 import math
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SUMMARY_COLUMNS", "format_summary_table", "write_summary", "log_to_wandb"]
+__all__ = ["SUMMARY_COLUMNS", "WANDB_SCALARS", "format_summary_table", "write_summary", "log_to_wandb"]
 
 logger = logging.getLogger(__name__)
 
 # (header, result key, formatter). Missing values render as "–" so rows from different sources can share a table.
-SUMMARY_COLUMNS = [
+Column = tuple[str, str, Callable[[Any], str]]
+SUMMARY_COLUMNS: list[Column] = [
     ("name", "name", str),
     ("model", "model", str),
     ("sampler", "sampler", str),
@@ -32,7 +36,7 @@ SUMMARY_COLUMNS = [
     ("recall", "recall", lambda v: f"{float(v):.3f}"),
     ("spread", "spread_ratio", lambda v: f"{float(v):.2f}"),
 ]
-_WANDB_SCALARS = ("accuracy", "fd", "precision", "recall", "spread_ratio")
+WANDB_SCALARS = ("accuracy", "fd", "precision", "recall", "spread_ratio")
 
 
 def _jsonable(value: Any) -> Any:
@@ -52,14 +56,19 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def format_summary_table(results: list[dict]) -> str:
-    """The results as a GitHub markdown table, one row per result, columns as in ``SUMMARY_COLUMNS``."""
-    header = "| " + " | ".join(title for title, _, _ in SUMMARY_COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|"
+def format_summary_table(results: list[dict], columns: Sequence[Column] = SUMMARY_COLUMNS) -> str:
+    """The results as a GitHub markdown table, one row per result.
+
+    Args:
+        results: result dicts; a key that is missing or None renders as "–".
+        columns: ``(header, result key, formatter)`` triples, default ``SUMMARY_COLUMNS``.
+    """
+    header = "| " + " | ".join(title for title, _, _ in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
     rows = []
     for result in results:
         cells = []
-        for _, key, fmt in SUMMARY_COLUMNS:
+        for _, key, fmt in columns:
             value = result.get(key)
             cells.append("–" if value is None else fmt(value))
         rows.append("| " + " | ".join(cells) + " |")
@@ -67,15 +76,23 @@ def format_summary_table(results: list[dict]) -> str:
 
 
 def write_summary(
-    results: list[dict], out_dir: str | os.PathLike, *, title: str = "Digits evaluation", stem: str = "summary"
+    results: list[dict],
+    out_dir: str | os.PathLike,
+    *,
+    title: str = "Evaluation",
+    stem: str = "summary",
+    notes: Sequence[str] = (),
+    columns: Sequence[Column] = SUMMARY_COLUMNS,
 ) -> tuple[str, str]:
-    """Write ``{stem}.md`` (title, how to read the figures, the table) and ``{stem}.json`` into ``out_dir``.
+    """Write ``{stem}.md`` (title, notes, the table) and ``{stem}.json`` (title and results) into ``out_dir``.
 
     Args:
-        results: dicts from :func:`miles.eval.metrics.evaluate_images` (any extra fields are kept in the JSON).
+        results: result dicts (every field is kept in the JSON; numpy values become plain numbers, NaN/inf null).
         out_dir: directory, created if missing.
-        title: markdown heading.
+        title: markdown heading and the JSON's ``title``.
         stem: file name without extension.
+        notes: markdown paragraphs between the heading and the table, e.g. how to read the figures.
+        columns: the table's columns (see :func:`format_summary_table`).
 
     Returns:
         ``(md_path, json_path)`` as strings.
@@ -83,36 +100,32 @@ def write_summary(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md_path, json_path = out / f"{stem}.md", out / f"{stem}.json"
-    references = sorted({r["n_reference"] for r in results if r.get("n_reference") is not None})
-    classifier_acc = sorted({r["classifier_heldout_accuracy"] for r in results if "classifier_heldout_accuracy" in r})
-    notes = [
-        "Figures use the features of a digits MLP classifier"
-        + (f" (held-out accuracy {100 * classifier_acc[0]:.1f}%)" if len(classifier_acc) == 1 else "")
-        + " and compare against the real held-out digits"
-        + (f" ({references[0]} images)" if len(references) == 1 else "")
-        + ".",
-        "accuracy: generated images classified as their prompt's digit. FD: Fréchet distance of classifier features "
-        "(Heusel et al. 2017; lower is better, biased upward at small n: compare rows at equal n and against the "
-        "real-digits row). precision / recall: k-NN manifold estimates (Kynkäänniemi et al. 2019). spread: "
-        "within-class feature spread relative to real digits (1 = real-like variety).",
-    ]
-    markdown = f"# {title}\n\n" + "\n\n".join(notes) + "\n\n" + format_summary_table(results) + "\n"
+    markdown = "\n\n".join([f"# {title}", *notes, format_summary_table(results, columns)]) + "\n"
     md_path.write_text(markdown)
     json_path.write_text(json.dumps({"title": title, "results": _jsonable(results)}, indent=2) + "\n")
     logger.info("wrote evaluation summary %s and %s", md_path, json_path)
     return str(md_path), str(json_path)
 
 
-def log_to_wandb(results: list[dict], images: dict[str, Any] | None = None, step: int | None = None) -> bool:
+def log_to_wandb(
+    results: list[dict],
+    images: dict[str, Any] | None = None,
+    step: int | None = None,
+    *,
+    scalars: Sequence[str] = WANDB_SCALARS,
+    columns: Sequence[Column] = SUMMARY_COLUMNS,
+) -> bool:
     """Log the figures (``eval/<name>/<metric>``), a summary table and image grids to the active wandb run.
 
     Does nothing when wandb is not installed or no run is active (``wandb.run is None``), so callers need no
     ``--use-wandb`` check of their own.
 
     Args:
-        results: dicts from :func:`miles.eval.metrics.evaluate_images`.
+        results: result dicts, each with a ``name``.
         images: ``{name: PNG path | PIL image | uint8 array}``, logged as ``eval_media/<name>``.
         step: wandb step (e.g. the rollout id); None lets wandb use its own counter.
+        scalars: result keys logged as ``eval/<name>/<key>`` (missing or None values are skipped).
+        columns: the ``eval/summary`` table's columns (their result keys; see :func:`format_summary_table`).
 
     Returns:
         True when something was logged.
@@ -125,13 +138,13 @@ def log_to_wandb(results: list[dict], images: dict[str, Any] | None = None, step
         return False
     data: dict[str, Any] = {}
     for result in results:
-        for key in _WANDB_SCALARS:
+        for key in scalars:
             if result.get(key) is not None:
                 data[f"eval/{result['name']}/{key}"] = float(result[key])
     if results:
-        columns = [key for _, key, _ in SUMMARY_COLUMNS]
+        keys = [key for _, key, _ in columns]
         data["eval/summary"] = wandb.Table(
-            columns=columns, data=[[_jsonable(result.get(key)) for key in columns] for result in results]
+            columns=keys, data=[[_jsonable(result.get(key)) for key in keys] for result in results]
         )
     for name, image in (images or {}).items():
         media = os.fspath(image) if isinstance(image, str | os.PathLike) else image

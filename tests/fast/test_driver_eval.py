@@ -18,8 +18,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from trainer_support import make_args, make_pipeline, ray_session  # noqa: E402
 
 import train_diffusion  # noqa: E402
-from miles.eval.digits_data import prompt_for_label  # noqa: E402
-from miles.eval.grids import render_digit_grid, save_image_grid  # noqa: E402
+from miles.eval.digits.data import prompt_for_label  # noqa: E402
+from miles.eval.digits.grids import render_digit_grid  # noqa: E402
+from miles.eval.grids import save_image_grid  # noqa: E402
 from miles.utils.tracking import MetricsTracker, read_metrics  # noqa: E402
 
 DIGITS_HOOK = "miles.eval.digits.digits_eval_hook"

@@ -16,7 +16,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from trainer_support import TESTS_FAST, make_args, make_pipeline, ray_session  # noqa: E402
 
 import train_diffusion  # noqa: E402
-from miles.eval.digits_data import write_digits_jsonl  # noqa: E402
+from miles.eval.digits.data import write_digits_jsonl  # noqa: E402
 from miles.utils.tracking import MetricsTracker, read_metrics  # noqa: E402
 
 REPO = TESTS_FAST.parents[1]

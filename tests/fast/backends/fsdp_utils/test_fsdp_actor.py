@@ -16,7 +16,7 @@ from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_window
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext  # noqa: E402
 from miles.backends.fsdp_utils.optimizer import lr_factor  # noqa: E402
-from miles.eval.digits_data import write_digits_jsonl  # noqa: E402
+from miles.eval.digits.data import write_digits_jsonl  # noqa: E402
 from miles.models import get_model_family  # noqa: E402
 from miles.ray.actor_group import RayTrainGroup  # noqa: E402
 from miles.ray.rollout import RayRolloutManager  # noqa: E402

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from miles.eval.digits import (
+from miles.eval.digits.data import DIGIT_PROMPTS
+from miles.eval.digits.hook import (
     digits_eval_hook,
     eval_grid_path,
     evaluate_pipeline,
@@ -22,15 +23,14 @@ from miles.eval.digits import (
     load_pipeline,
     sample_digits,
 )
-from miles.eval.digits_data import DIGIT_PROMPTS
-from miles.eval.metrics import evaluate_images
+from miles.eval.digits.metrics import evaluate_images
 from miles.models.digits import init_digits_pipeline
 from miles.models.digits_pipeline import write_sampling_schedule
 
 TINY = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8}
 N_PER_CLASS = 3
-REPO = Path(__file__).resolve().parents[3]
-# Grid layout of miles.eval.grids at scale 6, spacing 4: cells 48 px, rows 52 px, a 32 px title band.
+REPO = Path(__file__).resolve().parents[4]
+# Grid layout of miles.eval.digits.grids at scale 6, spacing 4: cells 48 px, rows 52 px, a 32 px title band.
 GRID_HEIGHT = 32 + 4 + 10 * 52
 GRID_MIN_WIDTH = 4 + 24 + 4 + N_PER_CLASS * 52
 

@@ -1,19 +1,11 @@
-"""The digits split, prompts, pixel conversion and JSONL writer (real sklearn data, no mocks)."""
+"""The digits split, prompts and JSONL writer (real sklearn data, no mocks)."""
 
 import json
 
 import numpy as np
 import pytest
-import torch
 
-from miles.eval.digits_data import (
-    DIGIT_PROMPTS,
-    load_split,
-    prompt_for_label,
-    split_indices,
-    to_uint8_images,
-    write_digits_jsonl,
-)
+from miles.eval.digits.data import DIGIT_PROMPTS, load_split, prompt_for_label, split_indices, write_digits_jsonl
 
 
 def test_prompts():
@@ -61,21 +53,6 @@ def test_pixels_are_rescaled_digits():
     assert load_split("train")[0][0, 0, 0] == original
 
 
-def test_to_uint8_images_conversions():
-    pixels = np.arange(2 * 8 * 8, dtype=np.uint8).reshape(2, 8, 8)
-    assert to_uint8_images(pixels) is pixels
-    latents = torch.from_numpy(pixels.astype(np.float32)[:, None] / 127.5 - 1.0)
-    assert np.array_equal(to_uint8_images(latents), pixels)  # exact round trip through [-1, 1]
-    clipped = to_uint8_images(np.array([[[[-3.0, 0.0, 2.0]]]]))
-    assert clipped.tolist() == [[[0, 128, 255]]]  # (0 + 1) · 127.5 = 127.5 rounds half up
-    rgb = to_uint8_images(np.zeros((1, 3, 4, 5), dtype=np.float32))
-    assert rgb.shape == (1, 4, 5, 3)
-    with pytest.raises(ValueError, match="latents"):
-        to_uint8_images(np.zeros((2, 8, 8), dtype=np.float32))
-    with pytest.raises(ValueError, match="int64"):
-        to_uint8_images(np.zeros((2, 8, 8), dtype=np.int64))
-
-
 def _read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -109,7 +86,7 @@ def test_write_digits_jsonl_records_and_reuse(tmp_path, caplog):
 
     # Complete output is reused untouched; a truncated file or different settings trigger a rewrite.
     mtime = (out / "train.jsonl").stat().st_mtime_ns
-    with caplog.at_level("INFO", logger="miles.eval.digits_data"):
+    with caplog.at_level("INFO", logger="miles.eval.digits.data"):
         write_digits_jsonl(out, prompt_repeats=3)
     assert "reusing" in caplog.text and (out / "train.jsonl").stat().st_mtime_ns == mtime
     lines = (out / "heldout.jsonl").read_text().splitlines(keepends=True)
@@ -123,7 +100,7 @@ def test_write_digits_jsonl_records_and_reuse(tmp_path, caplog):
 
 
 def test_cli_writes_files(tmp_path):
-    from miles.eval.digits_data import main
+    from miles.eval.digits.data import main
 
     main([str(tmp_path), "--prompt-repeats", "2"])
     assert len(_read_jsonl(tmp_path / "prompts.jsonl")) == 20

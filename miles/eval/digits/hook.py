@@ -1,7 +1,7 @@
 """Evaluate digits pipelines (teacher, DMD2 students) by sampling them and scoring the digits against real ones.
 
 * :func:`evaluate_pipeline`: one row: ``n_per_class`` samples of each digit prompt from a pipeline directory at a
-  given schedule and CFG, scored by :func:`miles.eval.metrics.evaluate_images`, with a PNG grid.
+  given schedule and CFG, scored by :func:`miles.eval.digits.metrics.evaluate_images`, with a PNG grid.
 * :func:`evaluate_suite`: the distillation comparison: the teacher at 28 / 4 / 1 Euler steps, each student at
   its exported schedule, and the real-digits row, at one CFG scale; writes ``summary.md`` and ``summary.json``.
 * :func:`digits_eval_hook`: the train-time ``--eval-function-path`` hook.
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from miles.eval.digits_data import DIGIT_PROMPTS
-from miles.eval.grids import save_digit_grid
-from miles.eval.metrics import evaluate_images, evaluate_real_baseline
+from miles.eval.digits.data import DIGIT_PROMPTS
+from miles.eval.digits.grids import save_digit_grid
+from miles.eval.digits.metrics import evaluate_images, evaluate_real_baseline, summary_notes
 from miles.eval.report import log_to_wandb, write_summary
 from miles.models.digits_pipeline import DigitsPipeline
 
@@ -144,12 +144,12 @@ def evaluate_pipeline(
             schedule, else ``"teacher"``.
         sampler: default the step rule used (``"euler"`` = the ODE, ``"dmd2"`` = the student's re-noising rule).
         meta: extra fields for the result, applied last (e.g. the distilled CFG scale of a student).
-        cache_dir: digits-classifier cache directory (default :func:`miles.eval.classifier.default_cache_dir`).
+        cache_dir: digits-classifier cache directory (default :func:`miles.eval.digits.classifier.default_cache_dir`).
         batch_size: images per pipeline call.
 
     Returns:
-        :func:`miles.eval.metrics.evaluate_images`'s dict (``name``, ``seed``, ``n_samples``, ``accuracy``, ``fd``,
-        ``precision``, ``recall``, ``spread_ratio``, ...) plus ``model``, ``sampler``, ``steps``,
+        :func:`miles.eval.digits.metrics.evaluate_images`'s dict (``name``, ``seed``, ``n_samples``, ``accuracy``,
+        ``fd``, ``precision``, ``recall``, ``spread_ratio``, ...) plus ``model``, ``sampler``, ``steps``,
         ``guidance_scale``, ``step_rule``, ``shift``, ``sigmas``, ``pipeline``, ``sample_seconds`` and ``grid`` (the
         PNG path, or None).
 
@@ -216,7 +216,7 @@ def evaluate_suite(
     * ``<name>`` for each student at its exported schedule and sampling guidance (1 for DMD2), reported at the
       CFG it was distilled with (``_miles_distilled_guidance_scale``; ``guidance_scale`` when not recorded, with a
       warning when the two differ); ``<name>-<S>step`` for each integer S in ``student_steps``.
-    * ``real-train``: :func:`miles.eval.metrics.evaluate_real_baseline` on ``10·n_per_class`` real train digits.
+    * ``real-train``: :func:`miles.eval.digits.metrics.evaluate_real_baseline` on ``10·n_per_class`` real train digits.
 
     Grids go to ``<out_dir>/<row name>.png``; figures and grids are logged to wandb when a run is active.
 
@@ -280,7 +280,7 @@ def evaluate_suite(
             )
     results.append(evaluate_real_baseline(_NUM_CLASSES * n_per_class, seed=seed, cache_dir=cache_dir))
     title = title or f"Digits evaluation (CFG {guidance_scale:g}, {n_per_class} samples per digit, seed {seed})"
-    write_summary(results, out_dir, title=title)
+    write_summary(results, out_dir, title=title, notes=summary_notes(results))
     log_to_wandb(results, images={r["name"]: r["grid"] for r in results if r.get("grid")})
     return results
 
@@ -295,7 +295,7 @@ def _record_label(record: dict, position: int) -> int:
     if label is None:
         raise ValueError(
             f"eval prompt record {position} has no 'label' (keys {sorted(record)}); the digits eval hook needs the "
-            "digit of each prompt: write the eval prompts with miles.eval.digits_data"
+            "digit of each prompt: write the eval prompts with miles.eval.digits.data"
         )
     return int(label)
 

@@ -1,7 +1,7 @@
 """A small digits classifier whose hidden layer is the feature space of the evaluation metrics.
 
 The classifier is a scikit-learn ``MLPClassifier`` (one ReLU hidden layer of 128 units, L2 penalty 1e-2, Adam,
-fixed ``random_state``) trained on the *train* split of :mod:`miles.eval.digits_data`, with pixels scaled to
+fixed ``random_state``) trained on the *train* split of :mod:`miles.eval.digits.data`, with pixels scaled to
 ``[0, 1]``. It reaches about 98% accuracy on the held-out split; training refuses to return a model below
 ``MIN_HELDOUT_ACCURACY``. Training takes a couple of seconds on one CPU core; the trained model is cached with joblib
 in ``cache_dir`` (default ``$MILES_CACHE_DIR`` or ``~/.cache/miles/eval``) under a name that carries the
@@ -24,7 +24,8 @@ import sklearn
 from sklearn.neural_network import MLPClassifier
 from threadpoolctl import threadpool_limits
 
-from miles.eval.digits_data import SPLIT_SEED, load_split, to_uint8_images
+from miles.eval.digits.data import SPLIT_SEED, load_split
+from miles.eval.images import to_uint8_images
 from miles.utils.misc import stable_hash
 
 __all__ = [
@@ -57,7 +58,7 @@ def prepare_images(images: Any) -> np.ndarray:
 
     Args:
         images: uint8 ``[N, 8, 8]`` or ``[N, 8, 8, 1]`` pixels 0..255, or float latents ``[N, 1, 8, 8]`` in
-            ``[-1, 1]`` (converted by :func:`miles.eval.digits_data.to_uint8_images`, i.e. quantised to uint8 the
+            ``[-1, 1]`` (converted by :func:`miles.eval.images.to_uint8_images`, i.e. quantised to uint8 the
             way a saved PNG would be). numpy arrays or torch tensors.
 
     Raises:

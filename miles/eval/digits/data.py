@@ -11,7 +11,7 @@ train / 359 held-out images). Both splits are returned in ascending dataset orde
 
 Pixels: ``uint8 = floor(value · 255 / 16 + 0.5)`` (round half up), so 0 → 0, 8 → 128, 16 → 255.
 
-Run ``python -m miles.eval.digits_data OUT_DIR`` to write ``train.jsonl``, ``heldout.jsonl``, ``prompts.jsonl``,
+Run ``python -m miles.eval.digits.data OUT_DIR`` to write ``train.jsonl``, ``heldout.jsonl``, ``prompts.jsonl``,
 ``eval_prompts.jsonl`` and ``manifest.json`` into ``OUT_DIR``.
 """
 
@@ -21,7 +21,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -36,7 +35,6 @@ __all__ = [
     "prompt_for_label",
     "split_indices",
     "load_split",
-    "to_uint8_images",
     "write_digits_jsonl",
 ]
 
@@ -121,38 +119,6 @@ def load_split(split: str, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarr
     indices = split_indices(split, seed)
     images, labels = _load_raw()
     return images[indices].copy(), labels[indices].copy()
-
-
-def to_uint8_images(images: Any) -> np.ndarray:
-    """Convert generated images or digits latents to uint8 pixel images, the one conversion used by evaluation.
-
-    Accepted inputs (numpy arrays or torch tensors; torch tensors are detached and moved to the CPU):
-
-    * uint8 ``[N, H, W]`` or ``[N, H, W, C]``: pixel images 0..255, returned unchanged (as numpy).
-    * floating ``[N, C, H, W]``: latents of the digits family, pixels scaled to ``[-1, 1]`` (channels first).
-      Converted with ``uint8 = round((x + 1) · 127.5)`` after clipping to ``[-1, 1]``, and moved to channels
-      last: ``[N, H, W]`` when C = 1, else ``[N, H, W, C]``.
-
-    Raises:
-        ValueError: for any other dtype or rank (e.g. float pixel images in 0..255: convert them to uint8 first).
-    """
-    if hasattr(images, "detach"):
-        images = images.detach().cpu().numpy()
-    array = np.asarray(images)
-    if array.dtype == np.uint8:
-        if array.ndim not in (3, 4):
-            raise ValueError(f"uint8 images must have shape [N, H, W] or [N, H, W, C], got {list(array.shape)}")
-        return array
-    if np.issubdtype(array.dtype, np.floating):
-        if array.ndim != 4:
-            raise ValueError(
-                f"float input must be latents [N, C, H, W] in [-1, 1], got shape {list(array.shape)}; "
-                "pass pixel images as uint8 [N, H, W] or [N, H, W, C] instead"
-            )
-        pixels = np.floor((np.clip(array.astype(np.float64), -1.0, 1.0) + 1.0) * 127.5 + 0.5).astype(np.uint8)
-        pixels = np.moveaxis(pixels, 1, -1)
-        return pixels[..., 0] if pixels.shape[-1] == 1 else pixels
-    raise ValueError(f"images of dtype {array.dtype} are not supported; pass uint8 pixels or float latents in [-1, 1]")
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
