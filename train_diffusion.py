@@ -146,28 +146,52 @@ def train(args) -> None:
     from miles.utils.tracking import MetricsTracker
 
     start_time = time.perf_counter()
-    pgs = create_placement_groups(args)
-    rollout_manager = create_rollout_manager(args)
-    groups = create_training_models(args, compute_trainer_configs(args), pgs)
-    engines = create_engine_group(args, pgs)
-    log_groups_ready(groups, engines, time.perf_counter() - start_time)
-    actor = groups["actor"]
-    start = actor.start_rollout_id
-    if start > 0:
-        _, data_state = read_data_state(args.load)
-        if data_state is not None:
-            ray.get(rollout_manager.load_state_dict.remote(data_state))
-    if engines is not None:
-        # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
-        ray.get(actor.async_update_weights(engines.engines))
-    tracker = MetricsTracker(args, job="driver")
+    started = []  # what this run starts, ended in reverse order whatever happens
+    tracker = None
     try:
+        pgs = create_placement_groups(args)
+        started += [("placement group", pg) for pg, _ in pgs.values()]
+        rollout_manager = create_rollout_manager(args)
+        started.append(("actor", rollout_manager))
+        groups = create_training_models(args, compute_trainer_configs(args), pgs, started=started)
+        engines = create_engine_group(args, pgs)
+        if engines is not None:
+            started += [("actor", engine) for engine in engines.engines]
+        log_groups_ready(groups, engines, time.perf_counter() - start_time)
+        actor = groups["actor"]
+        start = actor.start_rollout_id
+        if start > 0:
+            _, data_state = read_data_state(args.load)
+            if data_state is not None:
+                ray.get(rollout_manager.load_state_dict.remote(data_state))
+        if engines is not None:
+            # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
+            ray.get(actor.async_update_weights(engines.engines))
+        tracker = MetricsTracker(args, job="driver")
         run_rollouts(args, rollout_manager, groups, engines, start, tracker)
         if args.save_hf:
             ray.get(actor.async_export_hf(args.save_hf, export_schedule(args)))
             logger.info("exported the student to %s", args.save_hf)
     finally:
-        tracker.finish()
+        if tracker is not None:
+            tracker.finish()
+        _end(started)
+
+
+def _end(started: list) -> None:
+    """End the actors and remove the placement groups this run started (newest first). A run that joined a Ray
+    cluster it did not start (``--ray-address``, or a test session) leaves nothing behind on it."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for kind, handle in reversed(started):
+        try:
+            if kind == "actor":
+                ray.kill(handle)
+            else:
+                remove_placement_group(handle)
+        except Exception:  # noqa: BLE001 - best effort: Ray may already be down
+            logger.debug("could not end %s %s", kind, handle, exc_info=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # Ray 2.60 wants an auth mode for local clusters; the driver and its workers are all local processes.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C; set after ray.init, which installs its own
     # handlers. SIGINT is reset too: a driver started in the background inherits it ignored.
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -206,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("interrupted; shutting down Ray")
         raise
     finally:
-        # Ends every actor of this job, so no trainer or engine process outlives the driver.
-        ray.shutdown()
+        if owns_ray:
+            # Ends every actor of this job, so no trainer or engine process outlives the driver.
+            ray.shutdown()
 
 
 if __name__ == "__main__":

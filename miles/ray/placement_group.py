@@ -101,12 +101,17 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
 
 
 def create_training_models(
-    args, configs: list[TrainerConfig], pgs: dict[str, tuple[PlacementGroup, list[int]]]
+    args,
+    configs: list[TrainerConfig],
+    pgs: dict[str, tuple[PlacementGroup, list[int]]],
+    started: list | None = None,
 ) -> dict[str, RayTrainGroup]:
     """Spawn and initialise one ``RayTrainGroup`` per trainer config, in training order.
 
     Each group gets ``compute_trainer_args(args, config)``; all groups initialise concurrently. Each returned
-    group's ``start_rollout_id`` is 0, or its checkpoint's rollout + 1 with ``--load``.
+    group's ``start_rollout_id`` is 0, or its checkpoint's rollout + 1 with ``--load``. ``started`` (optional)
+    receives ``("actor", handle)`` for every rank spawned, before any can fail to initialise, so the caller can
+    end them.
 
     Raises:
         RuntimeError: if the groups' checkpoints resume at different rollouts.
@@ -126,6 +131,8 @@ def create_training_models(
         )
         for config in configs
     }
+    if started is not None:
+        started += [("actor", handle) for group in groups.values() for handle in group.actors]
     init_refs = {role: group.async_init() for role, group in groups.items()}
     starts = {}
     for role, refs in init_refs.items():

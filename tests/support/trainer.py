@@ -1,14 +1,11 @@
-"""Shared pieces of the trainer tests: a Ray session, a digits pipeline, real train pairs, and test hooks.
+"""Shared pieces of the trainer tests: a digits pipeline, real parsed args, real train pairs, and test hooks.
 
-The hooks below are loaded by dotted path (``trainer_support.echo_output``) inside Ray workers, which find this
-module through the ``PYTHONPATH`` that :func:`ray_session` gives them.
+The hooks below are loaded by dotted path (``tests.support.trainer.echo_output``) inside Ray workers, which find
+this module through the ``PYTHONPATH`` that :mod:`tests.support.ray` exports.
 """
 
 import json
-import os
-import shutil
 import socket
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,34 +15,9 @@ import torch
 from miles.utils.misc import make_generator
 from miles.utils.types import TrainPair
 
-TESTS_FAST = Path(__file__).resolve().parent
 SFT_PREPARE = "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
 SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
 TEXT_LEN, TEXT_DIM = 16, 384
-
-
-@contextmanager
-def ray_session(num_cpus: int = 4):
-    """One local Ray cluster (no dashboard, private temp dir); workers can import this module."""
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    # Unix socket paths are limited to ~107 bytes: keep the temp dir short.
-    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
-    pythonpath = os.pathsep.join(p for p in (str(TESTS_FAST), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        logging_level="WARNING",
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def make_pipeline(out_dir: Path, seed: int = 0) -> Path:
@@ -57,7 +29,7 @@ def make_pipeline(out_dir: Path, seed: int = 0) -> Path:
 
 def make_args(pipeline: Path, run_dir: Path, *extra: str, train_only: bool = True, **overrides):
     """Real parsed args for an SFT trainer group of 2 CPU ranks; ``overrides`` are set on the result."""
-    from miles.utils.arguments import parse_args
+    from miles.driver.arguments import parse_args
 
     argv = [
         *(["--train-only"] if train_only else []),
