@@ -208,3 +208,33 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
             new_pred = ctx.predict_velocity(loop.student, prepared.latents, prepared.timestep, prepared.cond)
             hook_total += float(dmd2_loss_formula(ctx, mb, prepared, new_pred=new_pred, metrics={}))
     assert loop.actor_step(rollout, x0_real, x0_fake) == pytest.approx(hook_total / N, rel=1e-4)
+
+
+def test_breakdown_shows_absent_keys_as_dashes_and_derives_the_gaps():
+    """The miles table from records as the driver and rank 0 write them: today's keys, then SPEC.md's full set."""
+    today = {r: {"perf/step_time": 1.0 + r, "perf/rollout_time": 0.1, "perf/critic_train_time": 0.5} for r in range(3)}
+    run = overhead.MilesRun(1, 8, [], Path("."), Path("train.log"), perf=today)
+    table, medians = overhead.miles_table(run, first=1, last=2)
+    assert medians["perf/step_time"] == 2.5 and medians["perf/actor-generate_time"] is None
+    assert medians["untimed"] == pytest.approx(1.9) and medians["gaps"] is None
+    row = next(line for line in table.splitlines() if "perf/critic-train_output_time" in line)
+    assert row.split()[-1] == "–"
+    logged = {
+        r: {
+            **today[r],
+            "perf/actor-generate_time": 0.05,
+            "perf/critic-train_steps_time": 0.3,
+            "perf/critic-train_output_time": 0.1,
+            "perf/new_phase_time": 0.2,
+        }
+        for r in range(3)
+    }
+    run.perf = logged
+    table, medians = overhead.miles_table(run, first=1, last=2)
+    assert medians["gaps"] == pytest.approx(2.5 - 0.45)
+    assert medians["untimed"] == pytest.approx(2.5 - 0.6 - 0.2)  # the new driver key counts as a driver phase
+    assert "other: new_phase_time" in table and medians["perf/new_phase_time"] == 0.2
+
+
+def test_the_digits_data_module_is_found():
+    assert importlib.util.find_spec(overhead.digits_data_module()) is not None
