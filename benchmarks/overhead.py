@@ -1,6 +1,6 @@
 """What miles' machinery costs on top of the DMD2 math: a bare single-process loop against ``train_diffusion.py``.
 
-    python benchmarks/overhead.py                          # the measurement of issue 9 (about 5 minutes on 2 cores)
+    python benchmarks/overhead.py                          # the measurement of issue 9 (about 3 minutes on 2 cores)
     python benchmarks/overhead.py --rollouts 4 --warmup 1  # a quick look
     python benchmarks/overhead.py --skip-miles --json /tmp/bare.json
 
