@@ -69,8 +69,7 @@ NUM_TRAIN_TIMESTEPS = 1000
 BARE_PHASES = ("generation", "critic_steps", "scoring", "actor")
 ROLES = ("critic", "actor")
 DERIVED = {"untimed": "step − driver phases", "gaps": "step − in-worker phases"}
-# The digits data module's home: miles.eval.digits_data today, miles.eval.digits.data after the planned move.
-DATA_MODULES = ("miles.eval.digits.data", "miles.eval.digits_data")
+DATA_MODULE = "miles.eval.digits.data"
 
 
 # -- the bare loop ----------------------------------------------------------------------------------------------------
@@ -423,17 +422,6 @@ def _run_quiet(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed ({shlex.join(cmd)}):\n{result.stdout}{result.stderr}")
 
 
-def digits_data_module() -> str:
-    """The importable digits data module (``miles.eval.digits.data`` after the planned move, else the old one)."""
-    for name in DATA_MODULES:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return name
-        except ModuleNotFoundError:  # the parent is a module, not a package, before the move
-            continue
-    raise RuntimeError(f"none of the digits data modules {DATA_MODULES} is importable; is miles installed?")
-
-
 def make_inputs(work_dir: Path, pipeline: Path | None, prompt_data: Path | None) -> tuple[Path, Path]:
     """The pipeline (``python -m miles.models.digits init DIR --max-length 8``) and ``prompts.jsonl``, unless given."""
     if pipeline is None:
@@ -445,7 +433,7 @@ def make_inputs(work_dir: Path, pipeline: Path | None, prompt_data: Path | None)
         data_dir = work_dir / "data"
         prompt_data = data_dir / "prompts.jsonl"
         if not prompt_data.is_file():
-            _run_quiet([sys.executable, "-m", digits_data_module(), str(data_dir)], "writing the digits data")
+            _run_quiet([sys.executable, "-m", DATA_MODULE, str(data_dir)], "writing the digits data")
     return pipeline, prompt_data
 
 

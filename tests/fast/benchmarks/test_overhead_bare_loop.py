@@ -24,10 +24,14 @@ from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.models import get_model_family
 from miles.models.digits import init_digits_pipeline
 from miles.ray.data_conversion_hub.dmd2 import expand_samples_to_train_pairs
-from miles.rollout.engine import DiffusionEngine
+from miles.models.base import read_scheduler_config
+from miles.rollout.conditioning import PromptConditioner
+from miles.rollout.data_source import make_prompt_shard
+from miles.rollout.engine import RolloutEngine
 from miles.rollout.step_strategy_hub import stop_at_random_step
-from miles.utils.arguments import parse_args
-from miles.utils.trainer_config import compute_trainer_args, compute_trainer_configs
+from miles.driver.arguments import parse_args
+from miles.methods import compute_trainer_configs
+from miles.utils.trainer_config import compute_trainer_args
 
 REPO = Path(__file__).resolve().parents[3]
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -163,11 +167,20 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
     rollout_id = 1
     close = {"atol": 1e-5, "rtol": 1e-5}
 
-    # generation: the engine runs the rollout's 40 samples as one batch, the loop in chunks of 8
+    # generation: the engine and the loop both run the rollout's 40 samples in micro-batches of 8
     prompts = [PROMPTS[(rollout_id * N + b) % len(PROMPTS)] for b in range(N)]
     stop_steps = stop_at_random_step(args, rollout_id, list(range(N)), STEPS)
-    engine = DiffusionEngine(args, get_model_family(pipeline), pipeline, device="cpu")
-    samples = engine.generate(prompts, list(range(N)), rollout_id, stop_steps=stop_steps)
+    family = get_model_family(pipeline)
+    engine = RolloutEngine(
+        args,
+        family,
+        family.load_denoiser(pipeline),
+        PromptConditioner(args, family, pipeline),
+        family.latent_shape(pipeline),
+        read_scheduler_config(pipeline)["num_train_timesteps"],
+    )
+    shard = make_prompt_shard(rollout_id, [{"prompt": p} for p in prompts], input_key="prompt")
+    samples = engine.generate(shard)
     pairs = expand_samples_to_train_pairs(args, samples)
     rollout = loop.generate(rollout_id)
     assert rollout.stop_steps.tolist() == stop_steps
@@ -237,4 +250,4 @@ def test_breakdown_shows_absent_keys_as_dashes_and_derives_the_gaps():
 
 
 def test_the_digits_data_module_is_found():
-    assert importlib.util.find_spec(overhead.digits_data_module()) is not None
+    assert importlib.util.find_spec(overhead.DATA_MODULE) is not None
