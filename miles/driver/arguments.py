@@ -90,6 +90,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Compute dtype of forward/backward; trainable weights and optimizer stay float32, frozen ones use it.",
     )
     group.add_argument(
+        "--fsdp-reshard-every-microbatch",
+        action="store_true",
+        help="Reshard parameters after every forward and reduce-scatter every micro-batch (less memory, 3x collectives).",
+    )
+    group.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="Recompute each transformer block's activations in backward (less memory, ~1/3 more compute).",

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["ModelFamily", "PromptEncoder", "read_json", "read_scheduler_config"]
+__all__ = ["ModelFamily", "PromptEncoder", "encode_one_prompt", "read_json", "read_scheduler_config"]
 
 
 class PromptEncoder(Protocol):
@@ -73,6 +73,12 @@ class ModelFamily(Protocol):
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
         ...
+
+
+def encode_one_prompt(family: ModelFamily, encoder: PromptEncoder, prompt: str) -> dict[str, torch.Tensor]:
+    """One prompt's cond kwargs without a batch dim (the negative prompt of CFG, usually ``""``), float32 on CPU."""
+    # clone: a view would carry (and pickle) the whole batch storage
+    return {key: value[0].clone() for key, value in family.encode_prompts(encoder, [prompt]).items()}
 
 
 def read_json(path: str | Path, what: str) -> dict:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
+from miles.models.base import encode_one_prompt
 from miles.models.digits import DigitsFamily
 from miles.models.sampling_schedule import (
     SCHEDULE_KEYS,
@@ -190,9 +191,7 @@ class DigitsPipeline(DiffusionPipeline):
             schedule["num_train_timesteps"],
             timesteps=schedule["timesteps"],
         )
-        negative = None
-        if guidance != 1.0:
-            negative = {key: value[0] for key, value in family.encode_prompts(encoder, [negative_prompt]).items()}
+        negative = encode_one_prompt(family, encoder, negative_prompt) if guidance != 1.0 else None
         latents = sample_latents(
             family,
             self.transformer,

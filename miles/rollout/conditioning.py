@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from miles.models.base import encode_one_prompt
+
 __all__ = ["PromptConditioner", "load_cond_file"]
 
 logger = logging.getLogger(__name__)
@@ -108,10 +110,9 @@ class PromptConditioner:
             if path:
                 self._negative = load_cond_file(path, where="--negative-cond")
             else:
-                text = getattr(self.args, "negative_prompt", "")
-                encoded = self.family.encode_prompts(self.encoder, [text])
-                # clone: a view would pickle the whole batch storage into every train pair
-                self._negative = {key: value[0].clone() for key, value in encoded.items()}
+                self._negative = encode_one_prompt(
+                    self.family, self.encoder, getattr(self.args, "negative_prompt", "")
+                )
         return self._negative
 
 

@@ -46,11 +46,11 @@ from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import (
     compute_context,
-    gathered_for_inference,
     load_frozen_denoiser,
     load_trainable_denoiser,
     reshard,
     resolve_dtype,
+    window_sync,
 )
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.sleep import SleepController
@@ -214,6 +214,8 @@ class FSDPTrainRayActor:
 
         self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
         self.dtype = resolve_dtype(args.train_dtype)
+        # Gathered through each phase, reduce-scattered once per optimizer step (see model.py), unless memory is short.
+        self.sync_every_microbatch = bool(getattr(args, "fsdp_reshard_every_microbatch", False))
         self.model = load_trainable_denoiser(
             self.family,
             args.hf_checkpoint,
@@ -221,11 +223,17 @@ class FSDPTrainRayActor:
             self.device,
             self.dtype,
             gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+            reshard_after_forward=self.sync_every_microbatch,
         )
         self.teacher_models = {}
         if getattr(args, "teacher_load", None):
             self.teacher_models[TRANSFORMER] = load_frozen_denoiser(
-                self.family, args.teacher_load, self.mesh, self.device, self.dtype
+                self.family,
+                args.teacher_load,
+                self.mesh,
+                self.device,
+                self.dtype,
+                reshard_after_forward=self.sync_every_microbatch,
             )
         self.optimizer = build_optimizer([self.model], args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
@@ -298,13 +306,16 @@ class FSDPTrainRayActor:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
 
+    @contextlib.contextmanager
     def _student_inference(self):
-        """The context of a no-grad use of the student: gathered once (FSDP), in the compute dtype."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.no_grad())
-        stack.enter_context(gathered_for_inference(self.model))
-        stack.enter_context(compute_context(self.model, self.dtype, self.device))
-        return stack
+        """A no-grad use of the student in the compute dtype, in eval mode; resharded (and back in train mode) after."""
+        self.model.eval()
+        try:
+            with torch.no_grad(), compute_context(self.model, self.dtype, self.device):
+                yield
+        finally:
+            self.model.train()
+            reshard(self.model)
 
     def generate(self, rollout_id: int, shard_box: Box) -> RolloutResult:
         """Collective: generate this rank's shard of rollout ``rollout_id`` and convert it to train pairs.
@@ -328,12 +339,8 @@ class FSDPTrainRayActor:
                 args, self.family, self.engine.conditioner, shard, self.family.latent_shape(args.hf_checkpoint)
             )
         else:
-            self.model.eval()
-            try:
-                with self._student_inference():
-                    samples = self.engine.generate(shard, sync_last_step=self._all_reduce_max)
-            finally:
-                self.model.train()
+            with self._student_inference():
+                samples = self.engine.generate(shard, sync_last_step=self._all_reduce_max)
         if self._converter is None:
             self._converter = load_function(args.custom_expand_samples_to_train_pairs_path)
         pairs = convert_samples(args, self._converter, samples)
@@ -352,12 +359,8 @@ class FSDPTrainRayActor:
         ``num_steps`` / ``guidance_scale`` default to ``--diffusion-num-steps`` / ``--diffusion-guidance-scale``.
         Every rank must get a shard of the same size (the group pads).
         """
-        self.model.eval()
-        try:
-            with self.sleeper.awake(), self._student_inference():
-                latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        finally:
-            self.model.train()
+        with self.sleeper.awake(), self._student_inference():
+            latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
         return self.family.latents_to_images(latents)
 
     # -- training ------------------------------------------------------------------------------------------------
@@ -377,8 +380,7 @@ class FSDPTrainRayActor:
         )
 
     def _reshard_all(self) -> None:
-        # Hooks may run any model without grad (the DMD2 scoring, a teacher in prepare); FSDP2 then leaves the root
-        # unsharded. No-op for modules that are already sharded.
+        # Sharded models stay gathered through a phase (model.py); free them at its end so that sleep moves shards.
         for model in [self.model, *self.teacher_models.values()]:
             reshard(model)
 
@@ -442,6 +444,8 @@ class FSDPTrainRayActor:
             step_metrics.append(metrics)
         if not output_done:
             output = self._timed(timers, "train_output_time", self._train_output, rollout_id, external, pairs)
+        # A hook may have run a frozen model (kept gathered through the phase); free it before the next group.
+        self._reshard_all()
         metrics = self._reduce_metrics(step_metrics)
         perf = {f"perf/{self.role}-{name}": seconds for name, seconds in timers.items()} if self.rank == 0 else {}
         return TrainResult(output=Box(ray.put(output)), metrics=metrics, perf=perf)
@@ -464,7 +468,8 @@ class FSDPTrainRayActor:
         for j, micro_batch in enumerate(micro_batches):
             ctx = self._context(rollout_id, external, first_microbatch_id + j)
             prepared = self.hooks.prepare(ctx, micro_batch)
-            self._reshard_all()
+            if not self.sync_every_microbatch:
+                window_sync(self.model, last_micro_batch=j == len(micro_batches) - 1)
             if prepared.component not in ctx.models:
                 raise ValueError(
                     f"prepare hook asked for component {prepared.component!r}; this group trains {sorted(ctx.models)}"
