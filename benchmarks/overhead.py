@@ -60,9 +60,9 @@ from miles.utils.misc import make_generator
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A 1-rank DMD2 run reserves 0.4 CPU of its one bundle for each trainer group; Ray then sets OMP_NUM_THREADS=1 in
-# the worker (it rounds a fractional reservation down, to at least 1), so torch runs one thread there.
-TRAINER_THREADS = 1
+# A trainer rank runs as many torch threads as its bundle has CPUs (miles.ray.placement_group.bundle_cpus): at one
+# rank on a machine of its own, all of them. The bare loop gets the same by default.
+TRAINER_THREADS = max(1, os.cpu_count() or 1)
 BAR_ONE_RANK = 1.3
 BAR_TWO_RANKS = 1.2
 NUM_TRAIN_TIMESTEPS = 1000
@@ -458,6 +458,21 @@ class MilesRun:
     log_path: Path
     wall_seconds: float = 0.0
     perf: dict[int, dict[str, float]] = field(default_factory=dict)
+    # memory/<role>-<kind>_bytes of the last rollout: what rank 0 of each group holds
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "frozen")
+
+
+def memory_table(run: "MilesRun") -> str:
+    """Bytes rank 0 of each group holds (MiB): its parameter shards, gradients, optimizer state, frozen models."""
+    roles = sorted({key.removeprefix("memory/").rsplit("-", 1)[0] for key in run.memory})
+    rows = []
+    for role in roles:
+        values = [run.memory.get(f"memory/{role}-{kind}_bytes") for kind in MEMORY_KINDS]
+        rows.append([role, *("–" if v is None else f"{v / 2**20:.2f}" for v in values)])
+    return format_table(["MiB per rank", *MEMORY_KINDS], rows, "<>>>>") if rows else ""
 
 
 def miles_command(
@@ -562,6 +577,7 @@ def run_miles(run: MilesRun, timeout: float, log) -> None:
         values = {key: value for key, value in record.items() if key.startswith("perf/") and _is_number(value)}
         if values:
             run.perf.setdefault(int(record["rollout_id"]), {}).update(values)
+        run.memory.update({key: value for key, value in record.items() if key.startswith("memory/")})
     log(f"miles, {_ranks(run.ranks)}: done in {run.wall_seconds:.0f} s")
 
 
@@ -725,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=TRAINER_THREADS,
-        help=f"torch threads of the bare loop; default {TRAINER_THREADS}, what Ray gives a 1-rank trainer process.",
+        help=f"torch threads of the bare loop; default {TRAINER_THREADS}, what a 1-rank trainer process runs.",
     )
     defaults = BareConfig()
     parser.add_argument("--rollout-batch-size", type=int, default=defaults.rollout_batch_size)
@@ -859,8 +875,11 @@ def _measure(
                 "wall_seconds": run.wall_seconds,
                 "median": medians,
                 "per_rollout": {str(r): v for r, v in sorted(run.perf.items())},
+                "memory_bytes": run.memory,
             }
             out += ["", f"log: {run.log_path}", table]
+            if run.memory:
+                out += ["", memory_table(run)]
 
     rows = [["bare loop", _fmt(bare_median)]] if bare_median is not None else []
     rows += [[f"miles, {_ranks(ranks)}", _fmt(median)] for ranks, median in miles_medians.items()]

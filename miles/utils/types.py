@@ -83,7 +83,8 @@ class TrainResult:
             later group reads it as ``ctx.external_data[role]``.
         metrics: one dict per optimizer step, averaged over the DP ranks (``train/...`` keys; rank 0 only, ``[]``
             on the others).
-        perf: in-worker timers of this rollout in seconds (``perf/<role>-...`` keys; rank 0 only).
+        perf: in-worker timers of this rollout in seconds (``perf/<role>-...`` keys) and the bytes the rank holds
+            (``memory/<role>-{parameters,gradients,optimizer,frozen}_bytes``); rank 0 only.
     """
 
     output: Box

@@ -238,6 +238,7 @@ class FSDPTrainRayActor:
         self.optimizer = build_optimizer([self.model], args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
         self.sleeper = SleepController([self.model, *self.teacher_models.values()], self.optimizer, self.device)
+        self._gradient_bytes = 0
         self._engine: RolloutEngine | None = None
         self._converter: Callable | None = None
         # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
@@ -264,24 +265,19 @@ class FSDPTrainRayActor:
         }
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: trainable parameters (its shards), their gradients, optimizer state, frozen models."""
-
-        def local(tensor: torch.Tensor) -> int:
-            tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            return tensor.numel() * tensor.element_size()
-
-        params = [p for p in self.model.parameters()]
+        """Bytes this rank holds at rest: trainable parameters (its shards), the gradients of its last optimizer
+        step (before they were freed), the optimizer state, and the frozen models."""
         optim = sum(
-            local(value)
+            _local_bytes(value)
             for state in self.optimizer.state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor)
         )
         return {
-            "parameters": sum(local(p) for p in params),
-            "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+            "parameters": sum(_local_bytes(p) for p in self.model.parameters()),
+            "gradients": self._gradient_bytes,
             "optimizer": optim,
-            "frozen": sum(local(p) for model in self.teacher_models.values() for p in model.parameters()),
+            "frozen": sum(_local_bytes(p) for model in self.teacher_models.values() for p in model.parameters()),
         }
 
     # -- rollouts ------------------------------------------------------------------------------------------------
@@ -447,7 +443,10 @@ class FSDPTrainRayActor:
         # A hook may have run a frozen model (kept gathered through the phase); free it before the next group.
         self._reshard_all()
         metrics = self._reduce_metrics(step_metrics)
-        perf = {f"perf/{self.role}-{name}": seconds for name, seconds in timers.items()} if self.rank == 0 else {}
+        perf = {}
+        if self.rank == 0:
+            perf = {f"perf/{self.role}-{name}": seconds for name, seconds in timers.items()}
+            perf.update({f"memory/{self.role}-{name}_bytes": n for name, n in self.memory_bytes().items()})
         return TrainResult(output=Box(ray.put(output)), metrics=metrics, perf=perf)
 
     @staticmethod
@@ -482,6 +481,7 @@ class FSDPTrainRayActor:
             (loss_sum / window_pairs).backward()
             loss_total += loss_sum.detach().double()
         grad_norm = self._clip_grad_norm()
+        self._gradient_bytes = sum(_local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -631,6 +631,12 @@ class FSDPTrainRayActor:
         """Close the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (its shard of a DTensor)."""
+    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.numel() * tensor.element_size()
 
 
 def _link_or_copy(src: str, dst: str) -> str:
