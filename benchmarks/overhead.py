@@ -36,7 +36,6 @@ figures depend on the machine and its load; the bars are meant for a quiet 2-cor
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
