@@ -113,10 +113,7 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
         # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
         if should_save(args, rollout_id):
             with _timer(perf, "perf/save_time"):
-                data_state = ray.get(rollout_manager.state_dict.remote())
-                # One group at a time: a sleeping group wakes onto the shared device to save.
-                for group in groups.values():
-                    ray.get(group.async_save(rollout_id, data_state))
+                save_rollout(args, rollout_id, rollout_manager, groups)
             progress.note(f"saved rollout {rollout_id} to {args.save}")
         with _timer(perf, "perf/eval_time"):
             eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker)
@@ -128,12 +125,38 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
     progress.close()
 
 
+def group_dirs(args, name: str) -> list[str]:
+    """Every trainer group's ``--load`` or ``--save`` directory (``name``), the actor's first."""
+    from miles.methods import compute_trainer_configs
+    from miles.utils.trainer_config import compute_trainer_args
+
+    configs = sorted(compute_trainer_configs(args), key=lambda config: config.role != "actor")
+    return [getattr(compute_trainer_args(args, config), name) for config in configs]
+
+
+def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
+    """One commit: every group saves the rollout (the actor's with the data cursor), then ``<save>/latest`` moves
+    to it, then old checkpoints beyond ``--save-keep-last`` go. A crash before the commit costs this rollout only."""
+    import ray
+
+    from miles.backends.fsdp_utils.checkpoint import commit, prune
+
+    data_state = ray.get(rollout_manager.state_dict.remote())
+    # One group at a time: a sleeping group wakes onto the shared device to save.
+    for role, group in groups.items():
+        ray.get(group.async_save(rollout_id, data_state if role == "actor" else None))
+    dirs = group_dirs(args, "save")
+    commit(dirs, rollout_id)
+    for path in prune(dirs, rollout_id, args.save_keep_last, args.save_keep_every):
+        logger.debug("pruned %s", path)
+
+
 def train(args) -> None:
     """Place and start the rollout manager, the trainer groups (and engine replicas), resume if asked, run the
     rollouts, export the student."""
     import ray
 
-    from miles.backends.fsdp_utils.checkpoint import read_data_state
+    from miles.backends.fsdp_utils.checkpoint import read_data_state, remove_uncommitted, resume_rollout
     from miles.driver.console import log_groups_ready
     from miles.driver.export import export_schedule
     from miles.methods import compute_trainer_configs
@@ -146,6 +169,12 @@ def train(args) -> None:
     from miles.utils.tracking import MetricsTracker
 
     start_time = time.perf_counter()
+    load_rollout_id = resume_rollout(group_dirs(args, "load")) if args.load else None
+    if args.save:
+        # What a crashed rollout left in the directories this run writes: partial and uncommitted checkpoints.
+        committed = load_rollout_id if args.load and _same_dir(args.load, args.save) else None
+        for path in remove_uncommitted(group_dirs(args, "save"), committed):
+            logger.info("removed %s (not committed by the run that wrote it)", path)
     started = []  # what this run starts, ended in reverse order whatever happens
     tracker = None
     try:
@@ -153,15 +182,17 @@ def train(args) -> None:
         started += [("placement group", pg) for pg, _ in pgs.values()]
         rollout_manager = create_rollout_manager(args)
         started.append(("actor", rollout_manager))
-        groups = create_training_models(args, compute_trainer_configs(args), pgs, started=started)
+        groups = create_training_models(
+            args, compute_trainer_configs(args), pgs, started=started, load_rollout_id=load_rollout_id
+        )
         engines = create_engine_group(args, pgs)
         if engines is not None:
             started += [("actor", engine) for engine in engines.engines]
         log_groups_ready(groups, engines, time.perf_counter() - start_time)
         actor = groups["actor"]
         start = actor.start_rollout_id
-        if start > 0:
-            _, data_state = read_data_state(args.load)
+        if load_rollout_id is not None:
+            _, data_state = read_data_state(args.load, load_rollout_id)
             if data_state is not None:
                 ray.get(rollout_manager.load_state_dict.remote(data_state))
         if engines is not None:
@@ -176,6 +207,10 @@ def train(args) -> None:
         if tracker is not None:
             tracker.finish()
         _end(started)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _end(started: list) -> None:

@@ -162,6 +162,24 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--lr-warmup-steps", type=int, default=0, help="Linear warmup in optimizer steps.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Final learning rate of the cosine schedule.")
+    group.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=3,
+        help="Optimizer steps in a row a group may skip for a non-finite gradient norm before the run stops.",
+    )
+    group.add_argument(
+        "--ema-decay",
+        type=float,
+        default=None,
+        help="Keep an EMA of the student's weights with this decay (e.g. 0.99; diffusers' EMAModel warm-up).",
+    )
+    group.add_argument(
+        "--ema-for-eval",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --ema-decay: evaluate and export the EMA weights (rollouts always use the live ones).",
+    )
 
 
 def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +260,18 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--save-hf", type=str, default=None, help="Export the student as a diffusers pipeline directory at the end."
     )
+    group.add_argument(
+        "--save-keep-last",
+        type=int,
+        default=None,
+        help="Keep the N newest committed checkpoints; older ones are removed after each commit (default: all).",
+    )
+    group.add_argument(
+        "--save-keep-every",
+        type=int,
+        default=None,
+        help="With --save-keep-last: also keep every checkpoint whose rollout number is a multiple of K.",
+    )
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -311,6 +341,12 @@ def _add_hook_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         default=None,
         help="fn(ctx, train_pairs) -> Any, no grad, after a group's steps; later groups read it as external_data.",
+    )
+    group.add_argument(
+        "--custom-build-modules-path",
+        type=str,
+        default=None,
+        help="fn(args, models) -> {name: nn.Module}: extra trainable modules of a group (DMD2's GAN head).",
     )
 
 

@@ -20,6 +20,7 @@ HOOK_FLAGS = (
     "custom_prepare_train_batch_path",
     "custom_loss_function_path",
     "custom_train_output_function_path",
+    "custom_build_modules_path",
     "diffusion_step_strategy_path",
     "eval_function_path",
 )
@@ -94,31 +95,6 @@ def _group_pipelines(args: argparse.Namespace) -> list[tuple[str, str]]:
     return pipelines
 
 
-def _check_group_checkpoints(args: argparse.Namespace, actor_latest: int) -> None:
-    """Every other trainer group's ``--load`` (e.g. the critic's ``<load>_critic``) holds the same rollout."""
-    from miles.backends.fsdp_utils.checkpoint import read_data_state
-    from miles.methods import compute_trainer_configs
-    from miles.utils.trainer_config import compute_trainer_args
-
-    for config in compute_trainer_configs(args):
-        load = compute_trainer_args(args, config).load
-        if config.role == "actor" or not load:
-            continue
-        try:
-            latest = read_data_state(load)[0]
-        except (OSError, ValueError, RuntimeError) as exc:
-            detail = str(exc).removeprefix("--load ")
-            reject(f"--load {args.load} also loads the {config.role} group's checkpoint: {detail}")
-        if latest != actor_latest:
-            # A crash between the two groups' saves of one rollout; the older checkpoints stay on disk.
-            common = min(latest, actor_latest)
-            reject(
-                f"--load {args.load} holds rollout {actor_latest} but the {config.role} group's {load} holds rollout "
-                f"{latest} (a crash between the two saves?); write {common} into the newer one's 'latest' file to "
-                f"resume both from rollout {common}"
-            )
-
-
 def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     """Checks that read the filesystem or import code, run by the driver before Ray starts, so that a typo fails in
     seconds on one line instead of inside a Ray worker (or, for ``--eval-function-path``, after the training).
@@ -137,23 +113,31 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     Raises:
         ArgumentValidationError: at the first failed check; the message names the flag and the path.
     """
+    from miles.methods import compute_trainer_configs
     from miles.utils.misc import load_function
+    from miles.utils.trainer_config import compute_trainer_args
 
+    group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
     for name in HOOK_FLAGS:
-        path = getattr(args, name, None)
-        if path:
-            try:
-                load_function(path)
-            except ValueError as exc:
-                reject(f"--{name.replace('_', '-')}: {exc}")
+        for path in dict.fromkeys(getattr(each, name, None) for each in [args, *group_args]):
+            if path:
+                try:
+                    load_function(path)
+                except ValueError as exc:
+                    reject(f"--{name.replace('_', '-')}: {exc}")
     if args.load:
-        from miles.backends.fsdp_utils.checkpoint import read_data_state
+        from miles.backends.fsdp_utils.checkpoint import resume_rollout
 
+        load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
         try:
-            actor_latest = read_data_state(args.load)[0]
+            committed = resume_rollout(load_dirs)
         except (OSError, ValueError, RuntimeError) as exc:
             reject(str(exc) if str(exc).startswith("--load") else f"--load {args.load}: {exc}")
-        _check_group_checkpoints(args, actor_latest)
+        if committed + 1 >= args.num_rollout:
+            reject(
+                f"--load {args.load} committed rollout {committed}, the last of --num-rollout {args.num_rollout}: "
+                f"nothing is left to train; raise --num-rollout above {committed + 1}"
+            )
     if not check_paths:
         return
     for label, path in _group_pipelines(args):

@@ -151,6 +151,8 @@ class DMD2Method(Method):
             "load": sibling_dir(args.load, "_critic"),
             "save": sibling_dir(args.save, "_critic"),
             "save_hf": None,
+            # The generator EMA is the student's; the critic tracks the student and keeps no average.
+            "ema_decay": None,
             "num_steps_per_rollout": k,
             "global_batch_size": rollout_pairs(args) // k,
             **DMD2_CRITIC_HOOKS,

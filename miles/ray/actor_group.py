@@ -106,11 +106,19 @@ class RayTrainGroup:
         self.master_addr, self.master_port = ray.get(self.actors[0].get_master_addr_and_port.remote())
         logger.debug("%s group: %d ranks, master %s:%d", role, self.world_size, self.master_addr, self.master_port)
 
-    def async_init(self) -> list[ray.ObjectRef]:
-        """Each rank joins the process group and loads its models; each ref resolves to the first rollout id."""
+    def async_init(self, load_rollout_id: int | None = None) -> list[ray.ObjectRef]:
+        """Each rank joins the process group, loads its models and (with ``load_rollout_id``) its checkpoint of that
+        rollout; each ref resolves to the first rollout id."""
         return [
             actor.init.remote(
-                self.args, self.role, self.master_addr, self.master_port, rank, self.world_size, self.num_threads
+                self.args,
+                self.role,
+                self.master_addr,
+                self.master_port,
+                rank,
+                self.world_size,
+                self.num_threads,
+                load_rollout_id,
             )
             for rank, actor in enumerate(self.actors)
         ]

@@ -105,11 +105,13 @@ def create_training_models(
     configs: list[TrainerConfig],
     pgs: dict[str, tuple[PlacementGroup, list[int]]],
     started: list | None = None,
+    load_rollout_id: int | None = None,
 ) -> dict[str, RayTrainGroup]:
     """Spawn and initialise one ``RayTrainGroup`` per trainer config, in training order.
 
     Each group gets ``compute_trainer_args(args, config)``; all groups initialise concurrently. Each returned
-    group's ``start_rollout_id`` is 0, or its checkpoint's rollout + 1 with ``--load``. ``started`` (optional)
+    group's ``start_rollout_id`` is 0, or ``load_rollout_id + 1`` (the committed rollout of ``--load``, which every
+    group loads from its own load directory). ``started`` (optional)
     receives ``("actor", handle)`` for every rank spawned, before any can fail to initialise, so the caller can
     end them.
 
@@ -133,7 +135,7 @@ def create_training_models(
     }
     if started is not None:
         started += [("actor", handle) for group in groups.values() for handle in group.actors]
-    init_refs = {role: group.async_init() for role, group in groups.items()}
+    init_refs = {role: group.async_init(load_rollout_id) for role, group in groups.items()}
     starts = {}
     for role, refs in init_refs.items():
         rank_starts = set(ray.get(refs))
@@ -141,10 +143,7 @@ def create_training_models(
             raise RuntimeError(f"{role} ranks resume at different rollouts {sorted(rank_starts)}")
         starts[role] = groups[role].start_rollout_id = rank_starts.pop()
     if len(set(starts.values())) != 1:
-        raise RuntimeError(
-            f"trainer groups resume at different rollouts {starts}; their --load checkpoints (the critic's is "
-            "<load>_critic) must come from the same save"
-        )
+        raise RuntimeError(f"trainer groups resume at different rollouts {starts}")
     return groups
 
 

@@ -26,6 +26,7 @@ The class is a plain Python class; ``RayTrainGroup`` turns it into a Ray actor.
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import socket
@@ -38,11 +39,13 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import (
     compute_context,
@@ -50,6 +53,7 @@ from miles.backends.fsdp_utils.model import (
     load_trainable_denoiser,
     reshard,
     resolve_dtype,
+    shard_model,
     window_sync,
 )
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
@@ -171,6 +175,7 @@ class FSDPTrainRayActor:
         rank: int,
         world_size: int,
         num_threads: int | None = None,
+        load_rollout_id: int | None = None,
     ) -> int:
         """Join the group's process group, load and shard the models, build the optimizer, resume if asked.
 
@@ -181,13 +186,15 @@ class FSDPTrainRayActor:
             rank, world_size: this rank and the group's data-parallel size.
             num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle (the groups of a
                 bundle train one at a time, so each may use all of them).
+            load_rollout_id: the committed rollout to resume from ``--load`` (the driver resolves it), or None.
 
         Returns:
-            The first rollout id to train: 0, or the loaded checkpoint's id + 1 with ``--load``.
+            The first rollout id to train: 0, or ``load_rollout_id + 1``.
 
         Raises:
             ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``
-                (raised on every rank before any collective), or on ``--load`` without a checkpoint.
+                (raised on every rank before any collective).
+            RuntimeError: if the checkpoint does not load or holds non-finite weights.
         """
         setup_logging(getattr(args, "log_level", "INFO"), worker=True)
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
@@ -235,9 +242,25 @@ class FSDPTrainRayActor:
                 self.dtype,
                 reshard_after_forward=self.sync_every_microbatch,
             )
-        self.optimizer = build_optimizer([self.model], args)
+        # The group's trainable modules: the denoiser, plus what --custom-build-modules-path adds (the DMD2 GAN head),
+        # all under one optimizer, clipped, checkpointed and slept together.
+        self.modules = nn.ModuleDict({TRANSFORMER: self.model})
+        builder = getattr(args, "custom_build_modules_path", None)
+        if builder:
+            for name, module in self._build_extra_modules(load_function(builder), builder).items():
+                self.modules[name] = module
+        self.optimizer = build_optimizer(list(self.modules.values()), args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
-        self.sleeper = SleepController([self.model, *self.teacher_models.values()], self.optimizer, self.device)
+        ema_decay = getattr(args, "ema_decay", None)
+        self.ema = ParameterEMA(self.modules, ema_decay) if ema_decay else None
+        self.ema_for_eval = self.ema is not None and getattr(args, "ema_for_eval", True)
+        self.state = checkpoint.TrainState(self.modules, self.optimizer, self.ema)
+        self.sleeper = SleepController(
+            [*self.modules.values(), *self.teacher_models.values()], self.optimizer, self.device, ema=self.ema
+        )
+        self.max_skipped_steps = int(getattr(args, "max_skipped_steps", 3) or 0)
+        self._skipped_in_a_row = 0
+        self._skipped_total = 0
         self._gradient_bytes = 0
         self._engine: RolloutEngine | None = None
         self._converter: Callable | None = None
@@ -245,16 +268,53 @@ class FSDPTrainRayActor:
         self._generated: tuple[int, str, list[TrainPair]] | None = None
 
         start_rollout_id = 0
-        if getattr(args, "load", None):
-            start_rollout_id = checkpoint.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler) + 1
+        if getattr(args, "load", None) and load_rollout_id is not None:
+            checkpoint.load_checkpoint(args.load, load_rollout_id, self.state, self.scheduler)
+            self._check_finite_weights(f"the {role} checkpoint of rollout {load_rollout_id} in {args.load}")
+            start_rollout_id = load_rollout_id + 1
         logger.debug(
             "%s rank %d/%d ready on %s, starting at rollout %d", role, rank, world_size, self.device, start_rollout_id
         )
         return start_rollout_id
 
+    def _build_extra_modules(self, builder: Callable, path: str) -> dict[str, nn.Module]:
+        """Call ``--custom-build-modules-path`` (``fn(args, models) -> {name: nn.Module}``) on the loaded denoiser,
+        then place and shard each module it returns like the denoiser (one FSDP unit each)."""
+        extras = builder(self.args, {TRANSFORMER: self.model})
+        if not isinstance(extras, dict) or not all(
+            isinstance(name, str) and isinstance(module, nn.Module) for name, module in extras.items()
+        ):
+            raise ValueError(
+                f"--custom-build-modules-path {path} returned {type(extras).__name__}; expected a dict of "
+                "name -> torch.nn.Module"
+            )
+        if TRANSFORMER in extras:
+            raise ValueError(
+                f"--custom-build-modules-path {path} returned a module named {TRANSFORMER!r}, the denoiser's"
+            )
+        for module in extras.values():
+            module.to(self.device).train().requires_grad_(True)
+            if self.world_size > 1:
+                shard_model(module, [], self.mesh, self.dtype, reshard_after_forward=self.sync_every_microbatch)
+        return extras
+
+    def _check_finite_weights(self, what: str) -> None:
+        """Refuse non-finite weights (every rank checks its shards; one all-reduce)."""
+        bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        names = []
+        for name, param in self.modules.named_parameters():
+            local = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+            if not torch.isfinite(local).all():
+                bad += 1
+                names.append(name)
+        dist.all_reduce(bad)
+        if int(bad):
+            shown = ", ".join(names[:3]) or "on another rank"
+            raise RuntimeError(f"{what} has non-finite weights ({shown}); refusing to use them")
+
     def describe(self) -> dict[str, Any]:
         """Rank 0's start-up summary for the driver's one line per group: device, parameters, memory held."""
-        trainable = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.modules.parameters())
         frozen = sum(p.numel() for model in self.teacher_models.values() for p in model.parameters())
         return {
             "device": str(self.device),
@@ -274,7 +334,7 @@ class FSDPTrainRayActor:
             if isinstance(value, torch.Tensor)
         )
         return {
-            "parameters": sum(_local_bytes(p) for p in self.model.parameters()),
+            "parameters": sum(_local_bytes(p) for p in self.modules.parameters()),
             "gradients": self._gradient_bytes,
             "optimizer": optim,
             "frozen": sum(_local_bytes(p) for model in self.teacher_models.values() for p in model.parameters()),
@@ -355,15 +415,19 @@ class FSDPTrainRayActor:
         ``num_steps`` / ``guidance_scale`` default to ``--diffusion-num-steps`` / ``--diffusion-guidance-scale``.
         Every rank must get a shard of the same size (the group pads).
         """
-        with self.sleeper.awake(), self._student_inference():
+        with self.sleeper.awake(), self._eval_weights(), self._student_inference():
             latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
         return self.family.latents_to_images(latents)
+
+    def _eval_weights(self):
+        """The weights evaluation and export use: the EMA's with ``--ema-for-eval``, else the live ones."""
+        return self.ema.applied() if self.ema_for_eval else contextlib.nullcontext()
 
     # -- training ------------------------------------------------------------------------------------------------
     def _context(self, rollout_id: int, external_data: dict[str, Any], microbatch_id: int) -> TrainContext:
         return TrainContext(
             args=self.args,
-            models={TRANSFORMER: self.model},
+            models=dict(self.modules),
             teacher_models=self.teacher_models,
             external_data=external_data,
             family=self.family,
@@ -377,7 +441,7 @@ class FSDPTrainRayActor:
 
     def _reshard_all(self) -> None:
         # Sharded models stay gathered through a phase (model.py); free them at its end so that sleep moves shards.
-        for model in [self.model, *self.teacher_models.values()]:
+        for model in [*self.modules.values(), *self.teacher_models.values()]:
             reshard(model)
 
     def _check_equal_counts(self, num_pairs: int, source: str = "the train-input hook") -> None:
@@ -468,7 +532,8 @@ class FSDPTrainRayActor:
             ctx = self._context(rollout_id, external, first_microbatch_id + j)
             prepared = self.hooks.prepare(ctx, micro_batch)
             if not self.sync_every_microbatch:
-                window_sync(self.model, last_micro_batch=j == len(micro_batches) - 1)
+                for module in self.modules.values():
+                    window_sync(module, last_micro_batch=j == len(micro_batches) - 1)
             if prepared.component not in ctx.models:
                 raise ValueError(
                     f"prepare hook asked for component {prepared.component!r}; this group trains {sorted(ctx.models)}"
@@ -481,30 +546,59 @@ class FSDPTrainRayActor:
             (loss_sum / window_pairs).backward()
             loss_total += loss_sum.detach().double()
         grad_norm = self._clip_grad_norm()
-        self._gradient_bytes = sum(_local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        self._gradient_bytes = sum(_local_bytes(p.grad) for p in self.modules.parameters() if p.grad is not None)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = {
-            "loss": float(loss_total) / window_pairs,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step": self.scheduler.last_epoch,
-        }
+        metrics = {"loss": float(loss_total) / window_pairs, "grad_norm": grad_norm, "lr": lr}
         for name, values in hook_metrics.items():
             if values:
                 metrics[name] = sum(values) / len(values)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update()
+            self._skipped_in_a_row = 0
+        else:
+            # The global norm is the same on every rank, so every rank skips: no weight, moment or LR step sees it.
+            self._skip_step(rollout_id, metrics)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["step"] = self.scheduler.last_epoch
+        metrics["skipped_steps"] = self._skipped_total
         return metrics
+
+    def _skip_step(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        """A non-finite gradient norm: skip the optimizer, scheduler and EMA step and count it; after
+        ``--max-skipped-steps`` in a row, stop the run naming the first non-finite figure (the last committed
+        checkpoint stays the resume point)."""
+        self._skipped_in_a_row += 1
+        self._skipped_total += 1
+        first_bad = next(
+            (f"{metric_key(self.role, name)}={value}" for name, value in metrics.items() if not math.isfinite(value)),
+            f"{metric_key(self.role, 'grad_norm')}={metrics['grad_norm']}",
+        )
+        if self.rank == 0:
+            logger.warning(
+                "%s group, rollout %d: non-finite gradient norm (%s); optimizer step skipped (%d in a row)",
+                self.role,
+                rollout_id,
+                first_bad,
+                self._skipped_in_a_row,
+            )
+        if self.max_skipped_steps and self._skipped_in_a_row >= self.max_skipped_steps:
+            raise FloatingPointError(
+                f"{self.role} group, rollout {rollout_id}: {self._skipped_in_a_row} optimizer steps in a row had a "
+                f"non-finite gradient norm (first non-finite figure {first_bad}); stopping so that no NaN reaches "
+                "the weights (--max-skipped-steps)"
+            )
 
     def _clip_grad_norm(self) -> float:
         """Global L2 norm of the gradients (before clipping); clips to ``--clip-grad`` when it is > 0."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.modules.parameters() if p.grad is not None]
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         # Sharded grads give a DTensor norm over this rank's shard; full_tensor() reduces it to the global norm.
         if isinstance(total_norm, DTensor):
             total_norm = total_norm.full_tensor()
-        if self.args.clip_grad and self.args.clip_grad > 0:
+        if self.args.clip_grad and self.args.clip_grad > 0 and torch.isfinite(total_norm):
             torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total_norm, foreach=True)
         return float(total_norm)
 
@@ -536,10 +630,11 @@ class FSDPTrainRayActor:
         return reduced
 
     # -- weights out -----------------------------------------------------------------------------------------------
-    def get_full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the trainable denoiser's unsharded state dict on CPU at rank 0, ``{}`` on other ranks."""
-        with self.sleeper.awake():
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    def get_full_state_dict(self, eval_weights: bool = False) -> dict[str, torch.Tensor]:
+        """Collective: the trainable denoiser's unsharded state dict on CPU at rank 0, ``{}`` on other ranks; with
+        ``eval_weights``, the weights evaluation uses (the EMA's with ``--ema-for-eval``)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        with self.sleeper.awake(), self._eval_weights() if eval_weights else contextlib.nullcontext():
             return get_model_state_dict(self.model, options=options)
 
     def update_weights(self, engines: list) -> None:
@@ -566,8 +661,13 @@ class FSDPTrainRayActor:
         """
         from miles.models.sampling_schedule import write_sampling_schedule
 
-        state_dict = self.get_full_state_dict()
+        state_dict = self.get_full_state_dict(eval_weights=True)
         if self.rank == 0:
+            bad = [key for key, value in state_dict.items() if not torch.isfinite(value).all()]
+            if bad:
+                raise RuntimeError(
+                    f"refusing to export {self.role} weights with non-finite values to {out_dir} ({', '.join(bad[:3])})"
+                )
             src, out = Path(self.args.hf_checkpoint), Path(out_dir)
             tmp = out.parent / f".tmp_{out.name}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -600,14 +700,9 @@ class FSDPTrainRayActor:
         if not self.args.save:
             raise ValueError(f"{self.role} group has no --save directory; pass --save to checkpoint")
         with self.sleeper.awake():
+            self._check_finite_weights(f"the {self.role} group after rollout {rollout_id}")
             path = checkpoint.save_checkpoint(
-                self.args.save,
-                rollout_id,
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                role=self.role,
-                data_state=data_state,
+                self.args.save, rollout_id, self.state, self.scheduler, role=self.role, data_state=data_state
             )
         return str(path)
 

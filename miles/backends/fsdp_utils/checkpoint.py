@@ -1,26 +1,28 @@
-"""Sharded, atomic checkpoints of one trainer group (torch.distributed.checkpoint).
+"""Sharded checkpoints of the trainer groups (torch.distributed.checkpoint), committed one rollout at a time.
 
-Layout under a group's save directory (the critic's is the sibling ``<save>_critic``)::
+A group's state is a list of ``Stateful`` things (torchtitan's ``CheckpointManager(states=...)``): its trainable
+modules and optimizer (:class:`TrainState`, through ``get_state_dict`` / ``set_state_dict``, so a checkpoint loads
+into another world size), its EMA when it keeps one, and per rank the LR schedule and RNG states.
 
-    <save>/rollout_<id>/dcp/            DCP shards of {"model": ..., "optimizer": ...} (every rank writes its shard)
-    <save>/rollout_<id>/rank_<r>.pt     rank r's LR-scheduler state and RNG states
-    <save>/rollout_<id>/data_state.pt   the driver's data cursor (the rollout manager's state_dict), if given
-    <save>/rollout_<id>/metadata.json   {"rollout_id", "role", "world_size", "format_version", "saved_at"}; last file
-    <save>/latest                       text file holding the id of the newest complete checkpoint
+Layout, for every group's save directory (the actor's is ``--save``, the critic's the sibling ``<save>_critic``)::
 
-Atomicity: everything is written into ``<save>/.tmp_rollout_<id>``, renamed to ``rollout_<id>`` once every rank has
-finished, and only then is ``latest`` replaced (write a temporary file, ``os.replace``). A crash at any point leaves
-``latest`` naming the previous complete checkpoint, which is never touched. Every rank must see the same
-``<save>`` path (a shared filesystem on multi-node runs).
+    <dir>/rollout_<id>/dcp/             DCP shards of {"train": model(s), optimizer, ema}
+    <dir>/rollout_<id>/rank_<r>.pt      rank r's LR-scheduler and RNG states
+    <dir>/rollout_<id>/data_state.pt    the data cursor (the actor's directory only)
+    <dir>/rollout_<id>/metadata.json    {"rollout_id", "role", "world_size", "format_version", ...}; written last
+    <save>/latest                       the commit: the id of the newest rollout complete in every group
 
-Model and optimizer state go through ``get_state_dict`` / ``set_state_dict``, so a checkpoint loads into another
-world size; the scheduler and RNG fall back to rank 0's file when a rank has no file of its own.
+One commit per rollout: each group writes ``.tmp_rollout_<id>`` and renames it to ``rollout_<id>`` when every rank
+has finished; only after every group has done so does the driver replace ``<save>/latest`` (:func:`commit`). A
+crash at any point leaves ``latest`` naming the previous complete rollout; a resume (:func:`resume_rollout`) takes
+it and removes what a crashed rollout left behind (:func:`remove_uncommitted`), so nothing needs a hand edit.
 """
 
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -32,23 +34,53 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
     "FORMAT_VERSION",
     "LATEST_FILE",
+    "TrainState",
     "checkpoint_dir",
-    "read_latest",
-    "read_data_state",
-    "save_checkpoint",
+    "commit",
+    "complete_rollouts",
     "load_checkpoint",
+    "prune",
+    "read_data_state",
+    "read_latest",
+    "remove_uncommitted",
+    "resume_rollout",
+    "save_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LATEST_FILE = "latest"
 METADATA_FILE = "metadata.json"
 DATA_STATE_FILE = "data_state.pt"
+_ROLLOUT_DIR = re.compile(r"^rollout_(\d+)$")
+
+
+class TrainState(Stateful):
+    """A group's trainable modules (one ``nn.ModuleDict``), their optimizer and, when kept, their EMA."""
+
+    def __init__(self, modules: nn.ModuleDict, optimizer: torch.optim.Optimizer, ema: Any = None) -> None:
+        self.modules, self.optimizer, self.ema = modules, optimizer, ema
+
+    def state_dict(self) -> dict[str, Any]:
+        # get_state_dict gives the optimizer its state entries (a zero-lr step) so a load knows what to read into.
+        model_state, optim_state = get_state_dict(self.modules, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.modules, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
 
 def checkpoint_dir(save_dir: str | Path, rollout_id: int) -> Path:
@@ -61,11 +93,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def read_latest(load_dir: str | Path) -> int:
-    """The rollout id in ``<load_dir>/latest``.
+    """The committed rollout id in ``<load_dir>/latest``.
 
     Raises:
-        ValueError: if ``load_dir`` does not exist or holds no ``latest`` file (nothing complete was saved there).
+        ValueError: if ``load_dir`` does not exist or holds no ``latest`` file (no rollout was committed there).
         RuntimeError: if ``latest`` does not hold an integer.
     """
     load_dir = Path(load_dir)
@@ -74,7 +110,7 @@ def read_latest(load_dir: str | Path) -> int:
     latest = load_dir / LATEST_FILE
     if not latest.is_file():
         raise ValueError(
-            f"--load {load_dir}: no '{LATEST_FILE}' file, so no checkpoint finished saving there; "
+            f"--load {load_dir}: no '{LATEST_FILE}' file, so no rollout was committed there; "
             "pass a directory written by --save, or drop --load"
         )
     text = latest.read_text().strip()
@@ -86,11 +122,11 @@ def read_latest(load_dir: str | Path) -> int:
         ) from None
 
 
-def _verified_dir(load_dir: str | Path, rollout_id: int) -> Path:
+def _verified_dir(save_dir: str | Path, rollout_id: int) -> Path:
     """The checkpoint directory of ``rollout_id``, after checking that it is complete. Raises RuntimeError if not."""
-    path = checkpoint_dir(load_dir, rollout_id)
+    path = checkpoint_dir(save_dir, rollout_id)
     if not path.is_dir():
-        raise RuntimeError(f"--load {load_dir}: '{LATEST_FILE}' names rollout {rollout_id} but {path} is missing")
+        raise RuntimeError(f"checkpoint {path} is missing")
     try:
         metadata = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -104,22 +140,55 @@ def _verified_dir(load_dir: str | Path, rollout_id: int) -> Path:
     return path
 
 
-def read_data_state(load_dir: str | Path) -> tuple[int, Any]:
-    """The driver's view of a checkpoint: ``(rollout_id, data_state)`` of the newest one in ``load_dir``.
+def complete_rollouts(save_dir: str | Path) -> list[int]:
+    """Ids of the complete ``rollout_<id>`` checkpoints in ``save_dir``, ascending (committed or not)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    ids = []
+    for entry in save_dir.iterdir():
+        match = _ROLLOUT_DIR.match(entry.name)
+        if match and entry.is_dir():
+            try:
+                _verified_dir(save_dir, int(match.group(1)))
+            except RuntimeError:
+                continue
+            ids.append(int(match.group(1)))
+    return sorted(ids)
 
-    Runs in any process (no process group needed). ``data_state`` is what the driver passed to
-    :func:`save_checkpoint` (the rollout manager's ``state_dict()``), or None if it passed nothing.
+
+def resume_rollout(group_dirs: list[str | Path]) -> int:
+    """The rollout a resume continues after: the commit in ``group_dirs[0]/latest``, checked complete in every
+    group's directory.
+
+    Args:
+        group_dirs: every group's load directory, the actor's (``--load``) first.
 
     Raises:
-        ValueError / RuntimeError: as :func:`read_latest`, or when the newest checkpoint is incomplete.
+        ValueError / RuntimeError: naming the directory, when there is no commit or a group's checkpoint of the
+            committed rollout is missing or incomplete.
     """
-    rollout_id = read_latest(load_dir)
-    path = _verified_dir(load_dir, rollout_id)
-    data_file = path / DATA_STATE_FILE
+    rollout_id = read_latest(group_dirs[0])
+    for directory in group_dirs:
+        try:
+            _verified_dir(directory, rollout_id)
+        except RuntimeError as exc:
+            raise RuntimeError(f"--load {group_dirs[0]} committed rollout {rollout_id}, but {exc}") from None
+    return rollout_id
+
+
+def read_data_state(load_dir: str | Path, rollout_id: int | None = None) -> tuple[int, Any]:
+    """``(rollout_id, data_state)`` of a checkpoint in the actor's directory (default: the committed one).
+
+    Runs in any process (no process group needed). ``data_state`` is what the driver saved with the rollout (the
+    rollout manager's ``state_dict()``), or None.
+    """
+    rollout_id = read_latest(load_dir) if rollout_id is None else rollout_id
+    data_file = _verified_dir(load_dir, rollout_id) / DATA_STATE_FILE
     if not data_file.is_file():
         return rollout_id, None
-    # The cursor is the rollout manager's own structure (may hold generator states), written by this module.
-    return rollout_id, torch.load(data_file, map_location="cpu", weights_only=False)
+    # The cursor is the rollout manager's own structure: plain ints and lists, so the safe loader reads it.
+    return rollout_id, torch.load(data_file, map_location="cpu", weights_only=True)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -139,28 +208,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     save_dir: str | Path,
     rollout_id: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: TrainState,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     *,
     role: str,
     data_state: Any = None,
 ) -> Path:
-    """Collective: every rank of the group calls this with the same ``save_dir`` and ``rollout_id``.
+    """Collective: write this group's checkpoint of ``rollout_id`` (every rank, the same ``save_dir``).
+
+    Writes ``.tmp_rollout_<id>`` and renames it to ``rollout_<id>`` once every rank has finished; ``latest`` is the
+    driver's to advance (:func:`commit`), after every group has saved.
 
     Args:
-        save_dir: the group's ``--save`` directory.
+        save_dir: the group's save directory.
         rollout_id: the rollout just finished; a resumed run continues at ``rollout_id + 1``.
-        model: the trainable FSDP module.
-        optimizer, scheduler: its AdamW and LR schedule.
+        state: the group's modules, optimizer and EMA.
+        scheduler: its LR schedule.
         role: the group's role, recorded in the metadata.
-        data_state: the driver's data cursor, written by rank 0 (any picklable object).
+        data_state: the data cursor, written by rank 0 (the actor group's).
 
     Returns:
-        The final checkpoint directory.
+        The checkpoint directory.
+
+    Raises:
+        OSError: when the disk is full or the directory unwritable; the temporary directory is removed, and no
+            complete checkpoint is touched.
     """
     save_dir = Path(save_dir)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tmp = save_dir / f".tmp_rollout_{rollout_id}"
     final = checkpoint_dir(save_dir, rollout_id)
@@ -169,27 +244,31 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"))
-    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{rank}.pt")
-    if rank == 0:
-        if data_state is not None:
-            torch.save(data_state, tmp / DATA_STATE_FILE)
-        metadata = {
-            "rollout_id": rollout_id,
-            "role": role,
-            "world_size": world_size,
-            "format_version": FORMAT_VERSION,
-            "saved_at": time.time(),
-        }
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    try:
+        dcp.save({"train": state}, checkpoint_id=str(tmp / "dcp"))
+        torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{rank}.pt")
+        if rank == 0:
+            if data_state is not None:
+                torch.save(data_state, tmp / DATA_STATE_FILE)
+            metadata = {
+                "rollout_id": rollout_id,
+                "role": role,
+                "world_size": world_size,
+                "format_version": FORMAT_VERSION,
+                "saved_at": time.time(),
+            }
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    except (OSError, CheckpointException) as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            f"could not save the {role} checkpoint of rollout {rollout_id} to {save_dir}: {_cause(exc)}"
+        ) from exc
     _barrier()
-
     if rank == 0:
         if final.exists():
-            # Same id saved before but not (or no longer) the newest, e.g. a crash after the rename and before
-            # `latest`: replace it only now that the new copy is complete.
+            # The same id saved before and never committed (a crash after the rename): replace it now that the new
+            # copy is complete.
             stale = save_dir / f".stale_rollout_{rollout_id}"
             shutil.rmtree(stale, ignore_errors=True)
             os.rename(final, stale)
@@ -197,46 +276,92 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        latest_tmp = save_dir / f".{LATEST_FILE}.tmp"
-        with open(latest_tmp, "w") as f:
-            f.write(f"{rollout_id}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, save_dir / LATEST_FILE)
-        logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, final)
+        logger.debug("saved %s checkpoint of rollout %d to %s", role, rollout_id, final)
     _barrier()
     return final
 
 
-def load_checkpoint(
-    load_dir: str | Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> int:
-    """Collective: load the newest checkpoint of ``load_dir`` into the model, optimizer, scheduler and RNG.
+def _cause(exc: BaseException) -> str:
+    """The root cause of an error (DCP wraps each rank's error in a CheckpointException); ENOSPC spelled out."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno == 28:
+        return f"No space left on device ({text})"
+    return text
 
-    Returns:
-        The checkpoint's rollout id; the run resumes at that id + 1.
+
+def commit(group_dirs: list[str | Path], rollout_id: int) -> None:
+    """Make ``rollout_id`` the resume point of the run: check it is complete in every group's directory, then
+    replace ``group_dirs[0]/latest`` atomically (write a temporary file, fsync, ``os.replace``).
 
     Raises:
-        ValueError: if ``load_dir`` holds no checkpoint (see :func:`read_latest`).
-        RuntimeError: if the newest checkpoint is incomplete, corrupt, or does not fit the model.
+        RuntimeError: if a group's checkpoint of the rollout is missing or incomplete (``latest`` is untouched).
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rollout_id = read_latest(load_dir)
-    path = _verified_dir(load_dir, rollout_id)
-    # get_state_dict gives the optimizer its state entries (a zero-lr step) so DCP knows what to read into.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    try:
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-    # DCP wraps every rank's error in a CheckpointException, a BaseException; its last line is the cause.
-    except (Exception, CheckpointException) as exc:
-        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise RuntimeError(f"checkpoint {path} is corrupt or does not fit this model: {cause}") from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for directory in group_dirs:
+        _verified_dir(directory, rollout_id)
+    primary = Path(group_dirs[0])
+    tmp = primary / f".{LATEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{rollout_id}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, primary / LATEST_FILE)
 
+
+def remove_uncommitted(group_dirs: list[str | Path], committed: int | None) -> list[Path]:
+    """Remove what a crash left behind in the groups' directories: temporary directories, and rollouts newer than
+    the commit (``committed``; None: every rollout). Returns the removed paths. Only names this module writes are
+    touched."""
+    removed = []
+    for directory in map(Path, group_dirs):
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            match = _ROLLOUT_DIR.match(entry.name)
+            stale = entry.name.startswith((".tmp_rollout_", ".stale_rollout_", f".{LATEST_FILE}.tmp"))
+            newer = bool(match) and (committed is None or int(match.group(1)) > committed)
+            if entry.is_dir() and (stale or newer) or (entry.is_file() and stale):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def prune(group_dirs: list[str | Path], committed: int, keep_last: int | None, keep_every: int | None) -> list[Path]:
+    """After a commit: remove older complete rollouts beyond the ``keep_last`` newest, sparing every rollout whose
+    id + 1 is a multiple of ``keep_every``. The committed rollout is always kept. Returns the removed paths."""
+    if not keep_last:
+        return []
+    removed = []
+    for directory in map(Path, group_dirs):
+        ids = [rollout for rollout in complete_rollouts(directory) if rollout <= committed]
+        for rollout in ids[:-keep_last]:
+            if keep_every and (rollout + 1) % keep_every == 0:
+                continue
+            path = checkpoint_dir(directory, rollout)
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def load_checkpoint(
+    load_dir: str | Path,
+    rollout_id: int,
+    state: TrainState,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Collective: load this group's checkpoint of ``rollout_id`` into its modules, optimizer, EMA, scheduler, RNG.
+
+    Raises:
+        RuntimeError: if the checkpoint is incomplete, corrupt, or does not fit the modules.
+    """
+    rank = _rank()
+    path = _verified_dir(load_dir, rollout_id)
+    try:
+        dcp.load({"train": state}, checkpoint_id=str(path / "dcp"))
+    # DCP wraps every rank's error in a CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as exc:
+        raise RuntimeError(f"checkpoint {path} is corrupt or does not fit this model: {_cause(exc)}") from exc
     rank_file = path / f"rank_{rank}.pt"
     if not rank_file.is_file():
         logger.warning(
@@ -249,5 +374,4 @@ def load_checkpoint(
         raise RuntimeError(f"checkpoint {path} is corrupt: cannot read {rank_file.name} ({exc})") from exc
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
-    logger.info("loaded checkpoint of rollout %d from %s", rollout_id, path)
-    return rollout_id
+    logger.debug("loaded checkpoint of rollout %d from %s", rollout_id, path)

@@ -46,6 +46,7 @@ class SleepController:
     Args:
         models: every module of the trainer (trainable and frozen); each FSDP module is resharded before moving.
         optimizer: the trainer's optimizer, or None for a group without one.
+        ema: the group's ``ParameterEMA``, or None; its shadows move with the weights.
         device: the training device (``cuda:<i>`` or ``cpu``).
         offload_device: where sleeping state lives (the CPU).
     """
@@ -56,9 +57,11 @@ class SleepController:
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         offload_device: str | torch.device = "cpu",
+        ema=None,
     ) -> None:
         self.models = models
         self.optimizer = optimizer
+        self.ema = ema
         self.device = torch.device(device)
         self.offload_device = torch.device(offload_device)
         self.state = AWAKE
@@ -108,3 +111,5 @@ class SleepController:
             model.to(device)
         if self.optimizer is not None:
             _move_optimizer_state(self.optimizer, device)
+        if self.ema is not None:
+            self.ema.to(device)

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # Guards the x0_rel_max denominator when a rollout x0 is all zeros.
 _REL_EPS = 1e-12
+# The smallest DMD2 normalizer mean|x0 − x̂0_real| (its per-pair denominator).
+NORMALIZER_FLOOR = 1e-6
 
 
 def prepare_critic_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
@@ -272,7 +274,8 @@ def dmd2_loss_formula(
     """DMD2 generator surrogate, summed over the micro-batch's pairs ([DMD2 5/7]).
 
     Per pair j, with ``x0 = x_i − σ_i·v̂`` (float32) and the critic group's ``x̂0_real`` / ``x̂0_fake``:
-    ``g = nan_to_num((x̂0_fake − x̂0_real) / mean|x0 − x̂0_real|)`` (normalizer over (C, H, W), detached) and
+    ``g = nan_to_num((x̂0_fake − x̂0_real) / max(mean|x0 − x̂0_real|, 1e-6))`` (normalizer over (C, H, W), detached;
+    non-finite ratios become 0) and
     ``loss_j = 0.5·mean((x0 − sg(x0 − g))²)``, so ``∂loss_j/∂x0 = g / numel``. tianweiy/DMD2
     ``compute_distribution_matching_loss`` computes the same g (its ``p_real − p_fake``) and a batch-mean MSE, which
     the trainer's division by the window's pair count reproduces. The value, ``0.5·mean(g²)``, is a gradient size,
@@ -297,10 +300,13 @@ def dmd2_loss_formula(
 
     reduce_dims = tuple(range(1, x0.ndim))
     with torch.no_grad():
-        normalizer = (x0.detach() - x0_real).abs().mean(dim=reduce_dims, keepdim=True)
+        # The floor keeps a zero normalizer (student equal to the teacher's x0) from dividing by 0; FastGen adds
+        # 1e-6 instead, the floor leaves every normalizer above it bit-identical.
+        normalizer = (x0.detach() - x0_real).abs().mean(dim=reduce_dims, keepdim=True).clamp_min(NORMALIZER_FLOOR)
         ratio = (x0_fake - x0_real) / normalizer
         nonfinite = ~torch.isfinite(ratio)
-        grad = torch.nan_to_num(ratio)
+        # ±inf and NaN entries contribute no gradient (nan_to_num's ±3.4e38 would overflow the surrogate's square).
+        grad = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
     per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
 
     metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())

@@ -1,0 +1,104 @@
+"""The generator EMA (``--ema-decay``): an exponential moving average of a group's trainable weights.
+
+The math is diffusers' ``EMAModel`` (``diffusers.training_utils``): after optimizer step n the shadow weights move
+toward the live ones, ``shadow ← shadow − (1 − d_n)·(shadow − param)``, with the warm-up ``d_n = min(decay, (1 + m)
+/ (10 + m))``, m = n − 1 (``d_1 = 0``: the first update copies the weights). The shadows are float32 and sharded
+like the parameters: each rank averages its own shards (FSDP2's DTensor parameters, seen through their local
+tensors, so no collective is needed). Rollouts keep using the live weights, so training stays on-policy; the export
+and the evaluation use the shadows when ``--ema-for-eval`` (the default with an EMA).
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from diffusers.training_utils import EMAModel
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ParameterEMA"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ParameterEMA:
+    """The EMA of the trainable parameters of ``modules`` (a name → module mapping, e.g. the group's trainables).
+
+    Args:
+        modules: the modules whose parameters are averaged, in a fixed order.
+        decay: the EMA decay in (0, 1), e.g. 0.99.
+
+    Raises:
+        ValueError: if ``decay`` is not in (0, 1).
+    """
+
+    def __init__(self, modules: nn.ModuleDict, decay: float) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"--ema-decay must be in (0, 1), got {decay}")
+        self.modules = modules
+        self.names = [name for name, param in modules.named_parameters() if param.requires_grad]
+        with torch.no_grad():
+            self._ema = EMAModel(self._locals(), decay=decay, foreach=True)
+        # float32 shadows whatever the parameters' dtype (a frozen copy would not need it; trainables are fp32).
+        self._ema.shadow_params = [shadow.detach().float().clone() for shadow in self._ema.shadow_params]
+
+    def _params(self) -> list[torch.Tensor]:
+        named = dict(self.modules.named_parameters())
+        return [named[name] for name in self.names]
+
+    def _locals(self) -> list[torch.Tensor]:
+        # Re-read every time: FSDP2 swaps its registered parameters between phases; the local tensors are views.
+        # Taken with grad enabled: EMAModel averages only the tensors that require grad.
+        with torch.enable_grad():
+            return [_local(param) for param in self._params()]
+
+    @property
+    def num_updates(self) -> int:
+        return int(self._ema.optimization_step)
+
+    @property
+    def decay_value(self) -> float:
+        """The decay of the last update (after warm-up)."""
+        return float(getattr(self._ema, "cur_decay_value", 0.0) or 0.0)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One EMA step toward the current weights (call after each optimizer step)."""
+        self._ema.step(self._locals())
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def applied(self) -> Iterator[None]:
+        """Run a block with the EMA weights in the modules, restoring the live weights after it. The modules must
+        be resharded (no gathered parameters) on entry, and are again on exit."""
+        params = self._locals()
+        live = [param.clone() for param in params]
+        torch._foreach_copy_(
+            params, [shadow.to(param.dtype) for shadow, param in zip(self._ema.shadow_params, params)]
+        )
+        try:
+            yield
+        finally:
+            torch._foreach_copy_(self._locals(), live)
+
+    def to(self, device: torch.device) -> None:
+        """Move the shadows (sleep / wake of the group)."""
+        self._ema.shadow_params = [shadow.to(device, non_blocking=True) for shadow in self._ema.shadow_params]
+
+    def state_dict(self) -> dict:
+        """``{"num_updates": int, "shadow": {name: tensor}}``; shadows of DTensor parameters are DTensors with the
+        parameters' mesh and placements, so DCP can reshard them to another world size."""
+        shadows = {}
+        for name, param, shadow in zip(self.names, self._params(), self._ema.shadow_params):
+            if isinstance(param, DTensor):
+                shadow = DTensor.from_local(shadow, param.device_mesh, param.placements, run_check=False)
+            shadows[name] = shadow
+        return {"num_updates": self.num_updates, "shadow": shadows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (loaded in place into its tensors by DCP)."""
+        self._ema.optimization_step = int(state["num_updates"])
+        for index, name in enumerate(self.names):
+            self._ema.shadow_params[index].copy_(_local(state["shadow"][name]))
