@@ -114,6 +114,8 @@ class DigitsFamily(SD3Family):
     its own (there is no VAE)."""
 
     name = "digits"
+    # DigitsPipeline samples through miles and reads the _miles_* keys; the scheduler stays the Euler one
+    stock_scheduler = False
 
     def text_config(self, path: str | Path) -> dict:
         """The ``digits.json`` settings of a digits pipeline directory."""

@@ -122,6 +122,8 @@ class SD3Family:
     """
 
     name = "sd3"
+    # StableDiffusion3Pipeline samples the export: it gets FlowMatchLCMScheduler (dmd2 rule) with the student's grid
+    stock_scheduler = True
 
     def __init__(self, pipeline_path: str | Path) -> None:
         self.pipeline_path = Path(pipeline_path)
