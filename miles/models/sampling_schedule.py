@@ -14,23 +14,24 @@ replaces the scheduler itself with a stock one whose ``step`` is the student's r
   ``(1 − σ_next)·x0 + σ_next·ε`` with fresh ε (at the last step σ_next = 0, so it returns x0);
 * rule ``euler`` → ``FlowMatchEulerDiscreteScheduler``: ``x + (σ_next − σ)·v``.
 
-The grid. Both schedulers' ``set_timesteps(S)`` (diffusers 0.42, the code is shared) take ``u = linspace(σ_max,
-σ_min, S)`` of their 1000-point training grid, warp it (``shift``: ``k·u / (1 + (k − 1)·u)``; with
-``use_dynamic_shifting``: the same map with ``k = e^mu``, unshifted ends ``σ_min = 1/1000``), and with
-``shift_terminal`` stretch ``1 − σ`` so that the last σ is that value. miles' grid is ``σ = shift_k(linspace(1, 1/S,
-S))``. With a static ``shift`` diffusers' ``σ_min`` is ``shift_k(1/1000)`` (not ``1/S``), so the plain config
-samples another grid (k = 3, S = 4: σ = 1, 0.86, 0.60, 0.009 instead of 1, 0.9, 0.75, 0.5). The warp and the
-stretch are both Möbius/affine in the odds, and the student's grid is reached exactly by
+The grid. Both schedulers' ``set_timesteps(S)`` (diffusers 0.42; the code is shared) take ``u = linspace(σ_max,
+σ_min, S)`` of their 1000-point training grid, map it by ``f_m(u) = m·u / (1 + (m − 1)·u)`` (a static config:
+m = ``shift``, and σ_min = f_shift(1/1000); ``use_dynamic_shifting``: m = e^mu, and σ_min = 1/1000) and, with
+``shift_terminal``, scale ``1 − σ`` so that the last σ is that value. miles' grid is ``σ = f_k(linspace(1, 1/S,
+S))``. With a static ``shift`` = k the ends do not match (σ_min is not 1/S), so the plain config samples another
+grid: k = 3, S = 4 gives σ = 1, 0.86, 0.60, 0.009 instead of 1, 0.9, 0.75, 0.5. The dynamic map with a constant mu
+and a terminal value reaches the student's grid exactly::
 
-    use_dynamic_shifting = True, base_shift = max_shift = ln m   (so the pipeline's mu = ln m at any resolution)
-    shift_terminal = shift_k(1/S)                                  (the student's last σ)
-    m = R / (R − 1),  R = d·S·k / (k − 1),  d = (1 − σ_min) / (S − 1)   (m = 1 when k = 1)
+    use_dynamic_shifting = True, base_shift = max_shift = ln m   (the pipeline's mu is then ln m at any resolution)
+    shift_terminal = f_k(1/S)                                      (the student's last σ)
+    m = R / (R − 1),  R = d·S·k / (k − 1),  d = (1 − σ_min) / (S − 1)     (m = 1 when k = 1)
 
-(match ``1 − σ`` of both grids at every step: the stretch factor c and m must satisfy ``c·d·S·k = m`` and
-``c·(k − 1) = m − 1``). The σ it builds equal miles' float64 grid rounded to float32 bit for bit; the timesteps
-``σ·1000`` are rounded in float32 by diffusers, so they can differ from miles' in the last bit (6e-5 at 1000).
-S = 1 needs none of it (the static config gives σ = [1]). Explicit ``--diffusion-timesteps`` have no config: the
-export writes the static scheduler at ``shift`` 1, and the call passes ``sigmas=[t / 1000, ...]``
+Derivation: with ``u_i = 1 − i·d`` and ``s_i = 1 − i/S``, ``1 − f_m(u_i) = i·d / (m − (m − 1)·i·d)`` and
+``1 − f_k(s_i) = (i/S) / (k − (k − 1)·i/S)``; the scaled ``c·(1 − f_m(u_i))`` equals ``1 − f_k(s_i)`` for every i
+when ``c·d·S·k = m`` and ``c·(k − 1) = m − 1``. The σ it builds equal miles' float64 grid rounded to float32
+(bit for bit at the shifts 0.5–7 and 1–50 steps tried); diffusers rounds the timesteps ``σ·1000`` in float32, so
+they can differ from miles' by one float32 ulp (6e-5 at 1000). S = 1 needs none of it (the static config gives σ = [1]). Explicit ``--diffusion-timesteps`` fit
+no config: the export writes the static scheduler at ``shift`` 1 and the call passes ``sigmas=[t / 1000, ...]``
 (:func:`stock_sampling_kwargs`).
 
 Re-noise. ``StableDiffusion3Pipeline.__call__`` does not pass its ``generator`` to ``scheduler.step``, so
