@@ -28,23 +28,20 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PromptCacheError", "main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
+from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+
+__all__ = ["main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MANIFEST = "prompt_cache.json"
-
-
-class PromptCacheError(ValueError):
-    """A problem with the command's inputs or output directory; the message says which file and what to fix."""
 
 
 def prompt_hash(prompt: str) -> str:
@@ -56,12 +53,12 @@ def read_prompt_records(path: str | Path, input_key: str = "prompt") -> list[dic
     """The JSON objects of a JSONL prompt file, in order (blank lines skipped).
 
     Raises:
-        PromptCacheError: for a missing file, a line that is not a JSON object (``file:line``), a record without
+        OfflineDataError: for a missing file, a line that is not a JSON object (``file:line``), a record without
             ``input_key`` or a non-string prompt, or a file without records.
     """
     path = Path(path)
     if not path.is_file():
-        raise PromptCacheError(f"prompt file {path} does not exist")
+        raise OfflineDataError(f"prompt file {path} does not exist")
     records = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -70,42 +67,17 @@ def read_prompt_records(path: str | Path, input_key: str = "prompt") -> list[dic
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise PromptCacheError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
             if not isinstance(record, dict):
-                raise PromptCacheError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
+                raise OfflineDataError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
             if not isinstance(record.get(input_key), str):
-                raise PromptCacheError(
+                raise OfflineDataError(
                     f"{path}:{line_no} has no string field {input_key!r}; set --input-key to the prompt's field"
                 )
             records.append(record)
     if not records:
-        raise PromptCacheError(f"prompt file {path} holds no records")
+        raise OfflineDataError(f"prompt file {path} holds no records")
     return records
-
-
-def _writable_dir(out_dir: Path) -> None:
-    try:
-        (out_dir / "cond").mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise PromptCacheError(f"cannot write to output directory {out_dir} ({exc.strerror or exc})") from exc
-
-
-def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _save_cond(path: Path, cond: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    # A crash never leaves a truncated file under the final name.
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({key: value.contiguous() for key, value in cond.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
 
 
 def write_prompt_cache(
@@ -141,7 +113,7 @@ def write_prompt_cache(
         prompts), "records"}``.
 
     Raises:
-        PromptCacheError: for a missing or unsupported pipeline, a bad prompt file, an unwritable ``out_dir``, an
+        OfflineDataError: for a missing or unsupported pipeline, a bad prompt file, an unwritable ``out_dir``, an
             unknown dtype or a batch size below 1.
     """
     from tqdm import tqdm
@@ -149,18 +121,18 @@ def write_prompt_cache(
     from miles.models import get_model_family
 
     if dtype not in DTYPES:
-        raise PromptCacheError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
+        raise OfflineDataError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
     if batch_size < 1:
-        raise PromptCacheError(f"--batch-size must be >= 1, got {batch_size}")
+        raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
     pipeline, out_dir = Path(pipeline), Path(out_dir)
     if not pipeline.is_dir():
-        raise PromptCacheError(f"pipeline directory {pipeline} does not exist")
+        raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
     try:
         family = get_model_family(pipeline)
     except (FileNotFoundError, ValueError) as exc:
-        raise PromptCacheError(str(exc)) from exc
+        raise OfflineDataError(str(exc)) from exc
     records = read_prompt_records(prompts_path, input_key)
-    _writable_dir(out_dir)
+    ensure_writable_dir(out_dir, "cond")
 
     distinct = list(dict.fromkeys(record[input_key] for record in records))
     names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
@@ -176,17 +148,17 @@ def write_prompt_cache(
             for row, prompt in enumerate(batch):
                 one = {key: value[row].to(store) for key, value in cond.items()}
                 shapes = shapes or {key: list(value.shape) for key, value in one.items()}
-                _save_cond(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
+                save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
             bar.update(len(batch))
     negative = family.encode_prompts(encoder, [negative_prompt])
-    _save_cond(
+    save_tensors(
         out_dir / "negative.safetensors",
         {key: value[0].to(store) for key, value in negative.items()},
         {"prompt": negative_prompt, "family": family.name},
     )
     # prompts.jsonl last: a crash before it leaves no record that names a missing file.
     lines = [json.dumps({**record, cond_key: names[record[input_key]]}, ensure_ascii=False) for record in records]
-    _replace_text(out_dir / "prompts.jsonl", "\n".join(lines) + "\n")
+    replace_text(out_dir / "prompts.jsonl", "\n".join(lines) + "\n")
     manifest = {
         "pipeline": str(pipeline.resolve()),
         "family": family.name,
@@ -199,7 +171,7 @@ def write_prompt_cache(
         "count": len(distinct),
         "records": len(records),
     }
-    _replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     logger.info("cached %d distinct prompts of %d records in %s", len(distinct), len(records), out_dir)
     return manifest
 
@@ -235,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=ns.dtype,
             batch_size=ns.batch_size,
         )
-    except PromptCacheError as exc:
+    except OfflineDataError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     out = Path(ns.out_dir)
