@@ -58,6 +58,10 @@ class ModelFamily(Protocol):
         """The denoiser's latent shape ``(C, H, W)``."""
         ...
 
+    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """The pixel image shape ``(H, W, C)`` whose ``images_to_latents`` is a latent of ``latent_shape``."""
+        ...
+
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
         """Pixel images ``(B, H, W, C)`` (or ``(B, H, W)``), uint8 or float in 0..255, to float32 latents
         ``(B, C', H', W')``."""
