@@ -123,3 +123,26 @@ def test_small_images_and_missing_captions_fail_with_one_line(pipeline, folder, 
     assert main([str(pipeline), str(images), str(out), "--prompt", "x", "--batch-size", "3"]) == 0
     assert "--train-only --prompt-data" in capsys.readouterr().out
     assert len((out / "data.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_digits_folder_encodes_to_its_pixel_latents(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from tests.support.trainer import make_pipeline
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    digits = load_digits()
+    images = tmp_path / "images"
+    images.mkdir()
+    pixels = np.floor(digits.images[:3] * (255.0 / 16.0) + 0.5).astype(np.uint8)  # (3, 8, 8) in 0..255
+    for i, image in enumerate(pixels):
+        Image.fromarray(image).save(images / f"digit{i}.png")
+        (images / f"digit{i}.txt").write_text(f"a handwritten digit {digits.target[i]}")
+    encode_image_folder(pipeline, images, tmp_path / "out")
+    family = get_model_family(pipeline)
+    assert family.image_shape(pipeline) == (8, 8, 1)
+    expected = family.images_to_latents(torch.from_numpy(pixels))  # (3, 1, 8, 8) in [-1, 1]
+    records = [json.loads(line) for line in (tmp_path / "out" / "data.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == [f"a handwritten digit {d}" for d in digits.target[:3]]
+    for row, record in enumerate(records):
+        assert torch.equal(load_file(str(tmp_path / "out" / record["latent"]))["latent"], expected[row])
