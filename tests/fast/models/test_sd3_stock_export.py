@@ -144,6 +144,28 @@ def test_stock_diffusers_samples_the_student_as_miles_does(trained, num_steps):
         assert not torch.allclose(_stock_latents(export, 7, 12), stock, atol=1e-3)
 
 
+def test_another_step_count_samples_with_a_plain_lcm_scheduler_and_sigmas(trained):
+    """The documented way to sample S' ≠ S steps: the static scheduler shifts the passed linspace(1, 1/S', S')."""
+    from diffusers import FlowMatchLCMScheduler, StableDiffusion3Pipeline
+
+    export = trained["exports"][4]
+    pipe = StableDiffusion3Pipeline.from_pretrained(export)
+    pipe.scheduler = FlowMatchLCMScheduler(shift=3.0)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        stock = pipe(
+            PROMPTS,
+            sigmas=[1.0, 0.5],
+            guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(1),
+            output_type="latent",
+        ).images
+    torch.testing.assert_close(
+        stock, _miles_latents(export, 1, 2, FlowNoiseSchedule(2, 3.0), "dmd2"), rtol=0, atol=1e-5
+    )
+
+
 def test_the_student_changed_in_training(trained):
     from diffusers import SD3Transformer2DModel
 
