@@ -146,3 +146,24 @@ def test_a_digits_folder_encodes_to_its_pixel_latents(tmp_path):
     assert [r["prompt"] for r in records] == [f"a handwritten digit {d}" for d in digits.target[:3]]
     for row, record in enumerate(records):
         assert torch.equal(load_file(str(tmp_path / "out" / record["latent"]))["latent"], expected[row])
+
+
+def test_a_prompt_cache_written_beside_the_latents_carries_both(pipeline, folder, tmp_path):
+    """docs/sd3.md: run the prompt cache on data.jsonl into the same directory; each record then names its latent
+    and its cond, both relative to prompts.jsonl."""
+    from miles.rollout.conditioning import load_cond_file
+    from miles.rollout.prompt_cache import write_prompt_cache
+
+    images, captions = folder
+    out = tmp_path / "out"
+    encode_image_folder(pipeline, images, out, captions=captions, prompt="a photo")
+    write_prompt_cache(pipeline, out / "data.jsonl", out)
+    records = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    family = get_model_family(pipeline)
+    args = parse_args(
+        ["--train-only", "--loss-type", "sft_loss", "--hf-checkpoint", str(pipeline)]
+        + ["--prompt-data", str(out / "prompts.jsonl"), "--num-rollout", "1", "--rollout-batch-size", "4"]
+    )
+    for record in records:
+        assert load_record_latent(args, family, record, out, expected_shape=(4, 8, 8)).shape == (4, 8, 8)
+        assert set(load_cond_file(out / record["cond"])) == {"encoder_hidden_states", "pooled_projections"}
