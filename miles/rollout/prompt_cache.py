@@ -119,6 +119,7 @@ def write_prompt_cache(
     from tqdm import tqdm
 
     from miles.models import get_model_family
+    from miles.models.base import encode_one_prompt
 
     if dtype not in DTYPES:
         raise OfflineDataError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
@@ -150,10 +151,11 @@ def write_prompt_cache(
                 shapes = shapes or {key: list(value.shape) for key, value in one.items()}
                 save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
             bar.update(len(batch))
-    negative = family.encode_prompts(encoder, [negative_prompt])
+    # encoded as the engine encodes it without a cache (miles.rollout.conditioning)
+    negative = encode_one_prompt(family, encoder, negative_prompt)
     save_tensors(
         out_dir / "negative.safetensors",
-        {key: value[0].to(store) for key, value in negative.items()},
+        {key: value.to(store) for key, value in negative.items()},
         {"prompt": negative_prompt, "family": family.name},
     )
     # prompts.jsonl last: a crash before it leaves no record that names a missing file.
