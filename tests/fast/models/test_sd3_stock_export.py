@@ -56,11 +56,14 @@ def trained(tmp_path_factory, ray_cluster):
     pipeline = tiny_sd3_t5_pipeline(root / "sd3")
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in PROMPTS))
+    teacher_files = ("model_index.json", "scheduler/scheduler_config.json")
+    before = {name: (pipeline / name).read_bytes() for name in teacher_files}
     exports = {}
     for num_steps in (4, 1):
         exports[num_steps] = root / f"student-{num_steps}step"
         _train(pipeline, data, root / f"run-{num_steps}step", exports[num_steps], num_steps)
-    return {"pipeline": pipeline, "exports": exports}
+    after = {name: (pipeline / name).read_bytes() for name in teacher_files}
+    return {"pipeline": pipeline, "exports": exports, "teacher_unchanged": before == after}
 
 
 def _stock_latents(export, init_seed: int, renoise_seed: int, **kwargs) -> torch.Tensor:
@@ -115,7 +118,8 @@ def test_the_export_names_the_lcm_scheduler_with_the_students_grid(trained):
     assert config["_miles_num_inference_steps"] == 4 and config["_miles_step_rule"] == "dmd2"
     assert config["_miles_distilled_guidance_scale"] == 2.0 and "stochastic_sampling" not in config
     assert stock_sampling_kwargs(export) == {"num_inference_steps": 4, "guidance_scale": 1.0}
-    # the teacher keeps its Euler scheduler
+    # the teacher keeps its Euler scheduler: the export replaced its hard-linked copies instead of writing into them
+    assert trained["teacher_unchanged"]
     teacher = json.loads((trained["pipeline"] / "model_index.json").read_text())
     assert teacher["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
 
