@@ -37,6 +37,10 @@ class ModelFamily(Protocol):
 
     name: str
     pipeline_path: Path
+    # Whether the --save-hf export replaces the scheduler with the stock diffusers scheduler of the student's step
+    # rule and grid (miles.models.sampling_schedule.write_sampling_schedule), so that the family's stock diffusers
+    # pipeline samples the student as miles does. False where miles' own pipeline class samples the export.
+    stock_scheduler: bool
 
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The pipeline's denoiser in eval mode on the CPU, in ``dtype``."""
@@ -52,6 +56,10 @@ class ModelFamily(Protocol):
 
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         """The denoiser's latent shape ``(C, H, W)``."""
+        ...
+
+    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """The pixel image shape ``(H, W, C)`` whose ``images_to_latents`` is a latent of ``latent_shape``."""
         ...
 
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:

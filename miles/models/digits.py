@@ -114,6 +114,8 @@ class DigitsFamily(SD3Family):
     its own (there is no VAE)."""
 
     name = "digits"
+    # DigitsPipeline samples through miles and reads the _miles_* keys; the scheduler stays the Euler one
+    stock_scheduler = False
 
     def text_config(self, path: str | Path) -> dict:
         """The ``digits.json`` settings of a digits pipeline directory."""
@@ -125,6 +127,11 @@ class DigitsFamily(SD3Family):
         if name != TEXT_ENCODER_NAME:
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
         return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)))
+
+    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """``(H, W, C)`` of the pixel latents (no VAE): 8 × 8 × 1."""
+        channels, height, width = self.latent_shape(path)
+        return (height, width, channels)
 
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (or float) pixels ``(B, H, W, C)`` or ``(B, H, W)`` in 0..255 → float32 ``(B, C, H, W)`` in [-1, 1].

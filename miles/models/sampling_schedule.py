@@ -4,22 +4,61 @@ The trainer's ``--save-hf`` export (any model family) writes the engine's schedu
 ``<dir>/scheduler/scheduler_config.json``, so that the exported pipeline samples with it by default. Besides the
 scheduler's own ``shift`` the keys are private (``_miles_*``): diffusers keeps keys that start with ``_`` through
 ``from_pretrained`` / ``save_pretrained`` without warning, whereas plain unknown keys make every load log that they
-"are not expected and will be ignored".
+"are not expected and will be ignored". miles' own readers (``DigitsPipeline``, the evaluation) read these keys.
+
+Stock diffusers (``stock_scheduler=True``, the ``sd3`` family's export) reads none of them, so the export also
+replaces the scheduler itself with a stock one whose ``step`` is the student's rule and whose
+``set_timesteps(num_inference_steps=S)`` builds the student's σ grid (:func:`stock_scheduler_config`):
+
+* rule ``dmd2`` → ``FlowMatchLCMScheduler``: its ``step`` predicts ``x0 = x − σ·v`` and re-noises it,
+  ``(1 − σ_next)·x0 + σ_next·ε`` with fresh ε (at the last step σ_next = 0, so it returns x0);
+* rule ``euler`` → ``FlowMatchEulerDiscreteScheduler``: ``x + (σ_next − σ)·v``.
+
+The grid. Both schedulers' ``set_timesteps(S)`` (diffusers 0.42; the code is shared) take ``u = linspace(σ_max,
+σ_min, S)`` of their 1000-point training grid, map it by ``f_m(u) = m·u / (1 + (m − 1)·u)`` (a static config:
+m = ``shift``, and σ_min = f_shift(1/1000); ``use_dynamic_shifting``: m = e^mu, and σ_min = 1/1000) and, with
+``shift_terminal``, scale ``1 − σ`` so that the last σ is that value. miles' grid is ``σ = f_k(linspace(1, 1/S,
+S))``. With a static ``shift`` = k the ends do not match (σ_min is not 1/S), so the plain config samples another
+grid: k = 3, S = 4 gives σ = 1, 0.86, 0.60, 0.009 instead of 1, 0.9, 0.75, 0.5. The dynamic map with a constant mu
+and a terminal value reaches the student's grid exactly::
+
+    use_dynamic_shifting = True, base_shift = max_shift = ln m   (the pipeline's mu is then ln m at any resolution)
+    shift_terminal = f_k(1/S)                                      (the student's last σ)
+    m = R / (R − 1),  R = d·S·k / (k − 1),  d = (1 − σ_min) / (S − 1)     (m = 1 when k = 1)
+
+Derivation: with ``u_i = 1 − i·d`` and ``s_i = 1 − i/S``, ``1 − f_m(u_i) = i·d / (m − (m − 1)·i·d)`` and
+``1 − f_k(s_i) = (i/S) / (k − (k − 1)·i/S)``; the scaled ``c·(1 − f_m(u_i))`` equals ``1 − f_k(s_i)`` for every i
+when ``c·d·S·k = m`` and ``c·(k − 1) = m − 1``. The σ it builds equal miles' float64 grid rounded to float32
+(bit for bit at the shifts 0.5–7 and 1–50 steps tried); diffusers rounds the timesteps ``σ·1000`` in float32, so
+they can differ from miles' by one float32 ulp (6e-5 at 1000). S = 1 needs none of it (the static config gives σ = [1]). Explicit ``--diffusion-timesteps`` fit
+no config: the export writes the static scheduler at ``shift`` 1 and the call passes ``sigmas=[t / 1000, ...]``
+(:func:`stock_sampling_kwargs`).
+
+Re-noise. ``StableDiffusion3Pipeline.__call__`` does not pass its ``generator`` to ``scheduler.step``, so
+``FlowMatchLCMScheduler`` draws the re-noise from torch's global RNG on the pipeline's device; the ``generator``
+only draws the initial latents. Seed ``torch.manual_seed`` before the call to repeat a sample. miles draws both
+per sample from ``stable_hash`` seeds, so the same seed gives other (equally distributed) samples in miles and in
+diffusers.
 """
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 from miles.models.base import read_json
 from miles.utils.sampling import STEP_RULES, FlowNoiseSchedule
 
 __all__ = [
     "SCHEDULE_KEYS",
+    "STOCK_SCHEDULERS",
     "TEACHER_NUM_STEPS",
     "TEACHER_STEP_RULE",
     "read_sampling_schedule",
+    "stock_sampling_kwargs",
+    "stock_scheduler_config",
     "write_sampling_schedule",
 ]
 
@@ -35,10 +74,94 @@ SCHEDULE_KEYS = {
     "guidance_scale": "_miles_guidance_scale",
     "distilled_guidance_scale": "_miles_distilled_guidance_scale",
 }
+# the diffusers scheduler class whose step() is each miles step rule
+STOCK_SCHEDULERS = {"dmd2": "FlowMatchLCMScheduler", "euler": "FlowMatchEulerDiscreteScheduler"}
 
 
 def _scheduler_config_path(pipeline_dir: str | os.PathLike) -> Path:
     return Path(pipeline_dir) / "scheduler" / "scheduler_config.json"
+
+
+def _replace_json(path: Path, data: dict) -> None:
+    # Replace rather than rewrite: an exported pipeline hard-links its source's files, which must stay unchanged.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _scheduler_class(name: str):
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def stock_scheduler_config(
+    *,
+    num_steps: int,
+    shift: float,
+    step_rule: str,
+    num_train_timesteps: int = 1000,
+    timesteps: list[float] | None = None,
+) -> dict[str, Any]:
+    """The diffusers scheduler config that samples the student's schedule with stock ``StableDiffusion3Pipeline``.
+
+    The class is ``STOCK_SCHEDULERS[step_rule]``; the grid settings are derived in this module's docstring. The
+    config is what ``save_pretrained`` writes (``_class_name``, ``_diffusers_version`` and every init argument),
+    without the ``_miles_*`` keys.
+
+    Args:
+        num_steps: the student's step count S ≥ 1 (ignored when ``timesteps`` is given).
+        shift: the flow shift k > 0 of the grid ``σ = shift_k(linspace(1, 1/S, S))``; ``shift`` of the config,
+            except with explicit timesteps (then ``shift`` is 1: the σ passed to the call are already shifted).
+        step_rule: ``"dmd2"`` or ``"euler"``.
+        num_train_timesteps: the model's timestep scale (1000).
+        timesteps: explicit descending timesteps in (0, num_train_timesteps]; sampled through ``sigmas=``.
+
+    Raises:
+        ValueError: on an unknown step rule or a grid :class:`~miles.utils.sampling.FlowNoiseSchedule` rejects.
+    """
+    if step_rule not in STOCK_SCHEDULERS:
+        raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
+    FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)  # validates
+    cls = _scheduler_class(STOCK_SCHEDULERS[step_rule])
+    kwargs: dict[str, Any] = {"num_train_timesteps": num_train_timesteps, "shift": float(shift)}
+    if timesteps is not None:
+        kwargs["shift"] = 1.0
+    elif num_steps > 1:
+        # diffusers' own σ_min of the unshifted 1000-point grid (1/1000 rounded to float32), as set_timesteps reads it
+        sigma_min = cls(num_train_timesteps=num_train_timesteps, use_dynamic_shifting=True).sigma_min
+        d = (1.0 - sigma_min) / (num_steps - 1)
+        if shift == 1.0:
+            m = 1.0
+        else:
+            r = d * num_steps * shift / (shift - 1.0)
+            m = r / (r - 1.0)
+        terminal = float(FlowNoiseSchedule(num_steps, shift, num_train_timesteps).sigmas[-2])  # the last σ
+        kwargs.update(
+            use_dynamic_shifting=True,
+            time_shift_type="exponential",
+            base_shift=math.log(m),
+            max_shift=math.log(m),
+            shift_terminal=terminal,
+        )
+    config = json.loads(cls(**kwargs).to_json_string())
+    return config
+
+
+def _stock_grid_matches(config: dict, schedule: FlowNoiseSchedule) -> bool:
+    """Whether ``set_timesteps(S)`` of ``config``'s scheduler (as the SD3 pipeline calls it) builds ``schedule``'s σ
+    (float32, to 1 ulp) and timesteps (to 1e-4)."""
+    import torch
+
+    scheduler = _scheduler_class(config["_class_name"]).from_config(config)
+    mu = config["base_shift"] if config.get("use_dynamic_shifting") else None
+    scheduler.set_timesteps(schedule.num_steps, mu=mu)
+    sigmas, timesteps = schedule.sigmas.float(), schedule.timesteps.float()
+    return (
+        scheduler.sigmas.shape == sigmas.shape
+        and torch.allclose(scheduler.sigmas, sigmas, rtol=0, atol=1e-7)
+        and torch.allclose(scheduler.timesteps, timesteps, rtol=0, atol=1e-4)
+    )
 
 
 def read_sampling_schedule(config: dict) -> dict:
@@ -74,13 +197,19 @@ def write_sampling_schedule(
     timesteps: list[float] | None = None,
     guidance_scale: float = 1.0,
     distilled_guidance_scale: float | None = None,
+    stock_scheduler: bool = False,
 ) -> dict:
     """Record the student's step schedule in ``<pipeline_dir>/scheduler/scheduler_config.json``.
 
     Writes ``shift`` (the scheduler's own key) and the ``_miles_*`` keys of ``SCHEDULE_KEYS``; every other key is
     left as it is. The trainer's export calls it with ``--diffusion-num-steps``, ``--diffusion-flow-shift``,
-    ``--diffusion-step-rule``, ``--diffusion-timesteps``, ``--diffusion-guidance-scale`` and (DMD2)
-    ``--dmd2-teacher-guidance-scale``.
+    ``--diffusion-step-rule``, ``--diffusion-timesteps``, ``--diffusion-guidance-scale``, (DMD2)
+    ``--dmd2-teacher-guidance-scale`` and the family's ``stock_scheduler``.
+
+    With ``stock_scheduler`` the scheduler itself is replaced: the config becomes
+    :func:`stock_scheduler_config`'s (plus the ``_miles_*`` keys, and ``shift`` as that function sets it) and
+    ``model_index.json``'s ``scheduler`` entry names its class, so that stock diffusers samples the student's rule
+    on the student's grid (call kwargs: :func:`stock_sampling_kwargs`).
 
     Args:
         pipeline_dir: a digits (or SD3) pipeline directory with a ``scheduler/`` folder.
@@ -88,10 +217,11 @@ def write_sampling_schedule(
         shift: flow shift k of the σ grid (``σ = k·s / (1 + (k−1)·s)``), > 0.
         step_rule: ``"dmd2"`` (re-noise the x0 prediction) or ``"euler"`` (ODE step).
         timesteps: explicit descending timesteps in (0, num_train_timesteps], length ``num_steps``; they override
-            ``shift`` when sampling (see :class:`~miles.utils.flow_schedule.FlowNoiseSchedule`).
+            ``shift`` when sampling (see :class:`~miles.utils.sampling.FlowNoiseSchedule`).
         guidance_scale: the CFG scale the student samples with (1 for a DMD2 student: CFG is distilled in).
         distilled_guidance_scale: the teacher's CFG scale the student was distilled from (reported beside the
             teacher's figures at that scale); None when unknown.
+        stock_scheduler: also write the stock diffusers scheduler of the schedule (see above).
 
     Returns:
         the schedule as :func:`read_sampling_schedule` reads it back.
@@ -105,10 +235,29 @@ def write_sampling_schedule(
     config = read_json(path, "scheduler config")
     if step_rule not in STEP_RULES:
         raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STEP_RULES)}")
-    schedule = FlowNoiseSchedule(num_steps, shift, int(config.get("num_train_timesteps", 1000)), timesteps=timesteps)
+    num_train_timesteps = int(config.get("num_train_timesteps", 1000))
+    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)
     if schedule.num_steps != num_steps:
         raise ValueError(f"got {schedule.num_steps} explicit timesteps for num_steps={num_steps}; pass one per step")
     config["shift"] = float(shift)
+    if stock_scheduler:
+        # Start from the stock class's own config: the old class's keys (Euler's stochastic_sampling) would make
+        # every load warn. Private keys (ours and others') are kept.
+        stock = stock_scheduler_config(
+            num_steps=num_steps,
+            shift=shift,
+            step_rule=step_rule,
+            num_train_timesteps=num_train_timesteps,
+            timesteps=timesteps,
+        )
+        private = {key: value for key, value in config.items() if key.startswith("_") and key not in stock}
+        config = {**stock, **private}
+        if timesteps is None and not _stock_grid_matches(config, schedule):
+            logger.warning(
+                "the installed diffusers builds another grid than %s from %s; sample the export with miles",
+                schedule,
+                path,
+            )
     config[SCHEDULE_KEYS["num_steps"]] = int(num_steps)
     config[SCHEDULE_KEYS["step_rule"]] = step_rule
     config[SCHEDULE_KEYS["timesteps"]] = None if timesteps is None else [float(t) for t in timesteps]
@@ -116,9 +265,46 @@ def write_sampling_schedule(
     config[SCHEDULE_KEYS["distilled_guidance_scale"]] = (
         None if distilled_guidance_scale is None else float(distilled_guidance_scale)
     )
-    # Replace rather than rewrite: an exported pipeline hard-links its source's files, which must stay unchanged.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    _replace_json(path, config)
+    if stock_scheduler:
+        index_path = Path(pipeline_dir) / "model_index.json"
+        model_index = read_json(index_path, "pipeline model_index.json")
+        entry = ["diffusers", config["_class_name"]]
+        if model_index.get("scheduler") != entry:
+            model_index["scheduler"] = entry
+            _replace_json(index_path, model_index)
     logger.info("wrote sampling schedule to %s: %s, rule %s", path, schedule, step_rule)
     return read_sampling_schedule(config)
+
+
+def stock_sampling_kwargs(pipeline_dir: str | os.PathLike) -> dict[str, Any]:
+    """Keyword arguments of ``StableDiffusion3Pipeline.__call__`` that sample an exported student's own schedule.
+
+    ``{"num_inference_steps": S, "guidance_scale": w}`` for a student on a shifted grid (the export's scheduler
+    config builds the grid from S), ``{"sigmas": [t / 1000, ...], "guidance_scale": w}`` for explicit
+    ``--diffusion-timesteps``; w is the student's own CFG scale (1 for DMD2). Use as
+    ``pipe(prompt, **stock_sampling_kwargs(export))``.
+
+    Raises:
+        FileNotFoundError: when the scheduler config is missing.
+        ValueError: when the directory is not a student export, or its scheduler is not the stock scheduler of its
+            step rule (an export written before the stock schedulers, or of the digits family): sample it with
+            miles, or re-export it.
+    """
+    path = _scheduler_config_path(pipeline_dir)
+    config = read_json(path, "scheduler config")
+    schedule = read_sampling_schedule(config)
+    if not schedule["is_student"]:
+        raise ValueError(f"{path} holds no student schedule ({SCHEDULE_KEYS['num_steps']}); is this a teacher?")
+    expected = STOCK_SCHEDULERS.get(schedule["step_rule"])
+    if config.get("_class_name") != expected:
+        raise ValueError(
+            f"{path} is a {config.get('_class_name')} config, but the student's {schedule['step_rule']!r} rule "
+            f"samples with {expected}; this export does not carry its stock scheduler, sample it with miles"
+        )
+    kwargs: dict[str, Any] = {"guidance_scale": schedule["guidance_scale"]}
+    if schedule["timesteps"] is not None:
+        kwargs["sigmas"] = [t / schedule["num_train_timesteps"] for t in schedule["timesteps"]]
+    else:
+        kwargs["num_inference_steps"] = schedule["num_inference_steps"]
+    return kwargs

@@ -122,6 +122,8 @@ class SD3Family:
     """
 
     name = "sd3"
+    # StableDiffusion3Pipeline samples the export: it gets FlowMatchLCMScheduler (dmd2 rule) with the student's grid
+    stock_scheduler = True
 
     def __init__(self, pipeline_path: str | Path) -> None:
         self.pipeline_path = Path(pipeline_path)
@@ -149,6 +151,15 @@ class SD3Family:
 
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         return sd3_latent_shape(path)
+
+    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """``(S·f, S·f, C)``: the transformer's ``sample_size`` S times the VAE's downscale factor ``f =
+        2^(len(block_out_channels) − 1)`` (the pipeline's ``vae_scale_factor``; 8 for SD3), C the VAE's
+        ``in_channels``. Reads the two configs only."""
+        _, height, width = sd3_latent_shape(path)
+        vae = read_json(Path(path) / "vae" / "config.json", "VAE config")
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        return (height * factor, width * factor, int(vae.get("in_channels", 3)))
 
     def predict_velocity(
         self, denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]

@@ -653,8 +653,9 @@ class FSDPTrainRayActor:
         The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
         ``save_pretrained`` of an unsharded copy holding the trained weights; its scheduler config records the
         sampling schedule (:func:`miles.models.sampling_schedule.write_sampling_schedule` with ``schedule``'s
-        keyword arguments). Written to a temporary sibling and renamed into place, so a crash never leaves a
-        half-written pipeline at ``out_dir``.
+        keyword arguments; for a family with ``stock_scheduler``, the scheduler becomes the stock diffusers
+        scheduler of the student's rule and grid). Written to a temporary sibling and renamed into place, so a
+        crash never leaves a half-written pipeline at ``out_dir``.
 
         Returns:
             ``out_dir``.
@@ -677,7 +678,7 @@ class FSDPTrainRayActor:
             model.load_state_dict(state_dict)
             shutil.rmtree(tmp / TRANSFORMER)
             model.save_pretrained(tmp / TRANSFORMER)
-            write_sampling_schedule(tmp, **schedule)
+            write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
             if out.exists():
                 stale = out.parent / f".stale_{out.name}"
                 shutil.rmtree(stale, ignore_errors=True)

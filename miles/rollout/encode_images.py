@@ -1,0 +1,289 @@
+"""Encode a folder of real images to latent records: ``python -m miles.rollout.encode_images``.
+
+The records are the data format that ``--train-only`` reads (and the critic's real data of DMD2 phase 2): each
+names a latent file that :func:`miles.rollout.data_source.load_record_latent` loads, so training never runs the VAE
+encoder on its images. Any model family works; for ``sd3`` the latent is the pipeline's own VAE posterior mode with
+its ``shift_factor`` and ``scaling_factor`` applied, ``(mode − shift) · scaling``, as in
+:meth:`miles.models.sd3.SD3Family.images_to_latents`::
+
+    python -m miles.rollout.encode_images PIPELINE IMAGE_DIR OUT_DIR [--captions captions.jsonl] [--prompt TEXT]
+        [--batch-size 8]
+
+reads every ``.png``, ``.jpg`` / ``.jpeg`` and ``.webp`` file directly in IMAGE_DIR (sorted by name) and writes::
+
+    OUT_DIR/latents/<name>.safetensors   one tensor "latent", float32 (C, h, w), <name> = the image's file stem
+    OUT_DIR/data.jsonl                    {"prompt": ..., "latent": "latents/<name>.safetensors", "file_name": ...}
+    OUT_DIR/encode_images.json            pipeline, family, image and latent shapes, count
+
+An image's caption is, in this order: its line in ``--captions`` (JSONL ``{"file_name": "cat.png", "prompt": "a
+cat"}``), its sidecar ``<name>.txt`` beside the image (stripped), or ``--prompt``. Each image is turned upright by
+its EXIF orientation, converted to the pipeline's channels (RGB for SD3), resized with Lanczos so that it covers the
+pipeline's pixel size (``family.image_shape``: for SD3 the transformer's ``sample_size`` times the VAE's downscale
+factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smaller than that size is rejected rather
+than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
+"""
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+
+__all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+MANIFEST = "encode_images.json"
+_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+def list_images(image_dir: str | Path) -> list[Path]:
+    """The image files directly in ``image_dir``, sorted by name.
+
+    Raises:
+        OfflineDataError: if the directory does not exist, holds no image, or two images share a file stem (they
+            would write the same latent file).
+    """
+    image_dir = Path(image_dir)
+    if not image_dir.is_dir():
+        raise OfflineDataError(f"image directory {image_dir} does not exist")
+    images = sorted(p for p in image_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not images:
+        raise OfflineDataError(f"image directory {image_dir} holds no {'/'.join(IMAGE_SUFFIXES)} file")
+    stems: dict[str, Path] = {}
+    for image in images:
+        if image.stem in stems:
+            raise OfflineDataError(f"images {stems[image.stem].name} and {image.name} share the name {image.stem!r}")
+        stems[image.stem] = image
+    return images
+
+
+def read_captions(path: str | Path) -> dict[str, str]:
+    """``{file_name: prompt}`` of a captions JSONL file (one ``{"file_name": ..., "prompt": ...}`` per line).
+
+    Raises:
+        OfflineDataError: for a missing file, a line that is not such an object (``file:line``), or a file name given
+            twice.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise OfflineDataError(f"captions file {path} does not exist")
+    captions: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+            if not (
+                isinstance(record, dict)
+                and isinstance(record.get("file_name"), str)
+                and isinstance(record.get("prompt"), str)
+            ):
+                raise OfflineDataError(f'{path}:{line_no} must be {{"file_name": "<image file>", "prompt": "<text>"}}')
+            if record["file_name"] in captions:
+                raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
+            captions[record["file_name"]] = record["prompt"]
+    return captions
+
+
+def _caption(image: Path, captions: dict[str, str], prompt: str | None) -> str:
+    if image.name in captions:
+        return captions[image.name]
+    sidecar = image.with_suffix(".txt")
+    if sidecar.is_file():
+        return sidecar.read_text(encoding="utf-8").strip()
+    if prompt is not None:
+        return prompt
+    raise OfflineDataError(
+        f"image {image} has no caption: add {sidecar.name} beside it, a line in --captions, or pass --prompt"
+    )
+
+
+def _check_size(path: Path, shape: tuple[int, int, int]) -> None:
+    """Reject an unreadable or too small image from its header alone (no decoding)."""
+    from PIL import Image, UnidentifiedImageError
+
+    height, width, _ = shape
+    try:
+        with Image.open(path) as opened:
+            w, h = opened.size
+            if opened.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF orientations that turn the image by 90°
+                w, h = h, w
+    except (UnidentifiedImageError, OSError) as exc:
+        raise OfflineDataError(f"image {path} is not a readable image ({exc})") from exc
+    if w < width or h < height:
+        raise OfflineDataError(
+            f"image {path} is {w}×{h} px, smaller than the pipeline's {width}×{height}; upscale it or leave it out"
+        )
+
+
+def fit_image(path: str | Path, shape: tuple[int, int, int]) -> np.ndarray:
+    """Load an image and fit it to ``shape``: upright (EXIF), converted to ``C`` channels, resized with Lanczos so
+    that it covers ``H × W`` (aspect ratio kept), centre-cropped.
+
+    Args:
+        shape: the pipeline's ``(H, W, C)`` (``family.image_shape``), C in 1, 3, 4.
+
+    Returns:
+        uint8 ``(H, W, C)``.
+
+    Raises:
+        OfflineDataError: if the file is not a readable image, or is smaller than ``H × W`` in either dimension.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    height, width, channels = shape
+    try:
+        with Image.open(path) as opened:
+            image = ImageOps.exif_transpose(opened).convert(_MODES[channels])
+    except (UnidentifiedImageError, OSError) as exc:
+        raise OfflineDataError(f"image {path} is not a readable image ({exc})") from exc
+    w, h = image.size
+    if w < width or h < height:
+        raise OfflineDataError(
+            f"image {path} is {w}×{h} px, smaller than the pipeline's {width}×{height}; upscale it or leave it out"
+        )
+    scale = max(width / w, height / h)
+    size = (max(width, round(w * scale)), max(height, round(h * scale)))
+    if size != (w, h):
+        image = image.resize(size, Image.Resampling.LANCZOS)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    array = np.array(image.crop((left, top, left + width, top + height)), dtype=np.uint8)  # a writable copy
+    return array.reshape(height, width, channels)
+
+
+def encode_image_folder(
+    pipeline: str | Path,
+    image_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    captions: str | Path | None = None,
+    prompt: str | None = None,
+    batch_size: int = 8,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Fit, caption and encode every image of ``image_dir``; write the latent records to ``out_dir``.
+
+    Every image's caption and size are checked (from its header) before the VAE runs, so a bad image fails in
+    seconds; images are decoded one batch at a time.
+
+    Args:
+        pipeline: a pipeline directory of any model family; its ``images_to_latents`` encodes the images (on the
+            CPU, in float32).
+        image_dir: the image folder (not searched recursively).
+        out_dir: where ``latents/``, ``data.jsonl`` and ``encode_images.json`` go (created; files replaced).
+        captions: JSONL of ``{"file_name", "prompt"}``; see the module docstring for the caption order.
+        prompt: the caption of images without one.
+        batch_size: images per ``images_to_latents`` call.
+        progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
+
+    Returns:
+        the manifest written to ``encode_images.json``: ``{"pipeline", "family", "image_dir", "image_shape",
+        "latent_shape", "count"}``.
+
+    Raises:
+        OfflineDataError: for a missing or unsupported pipeline, a missing image folder, an unreadable, too small or
+            uncaptioned image, a bad captions file, an unwritable ``out_dir`` or a batch size below 1.
+    """
+    from tqdm import tqdm
+
+    from miles.models import get_model_family
+
+    if batch_size < 1:
+        raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
+    pipeline, out_dir = Path(pipeline), Path(out_dir)
+    if not pipeline.is_dir():
+        raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
+    try:
+        family = get_model_family(pipeline)
+        shape = family.image_shape(pipeline)
+        latent_shape = family.latent_shape(pipeline)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise OfflineDataError(f"pipeline {pipeline}: {exc}") from exc
+    images = list_images(image_dir)
+    caption_map = read_captions(captions) if captions is not None else {}
+    unused = set(caption_map) - {image.name for image in images}
+    if unused:
+        logger.warning("%d captions name no image of %s, e.g. %s", len(unused), image_dir, sorted(unused)[0])
+    prompts = [_caption(image, caption_map, prompt) for image in images]
+    for image in images:
+        _check_size(image, shape)
+    ensure_writable_dir(out_dir, "latents")
+
+    records = []
+    disable = (None if len(images) > batch_size else True) if progress is None else not progress
+    with tqdm(total=len(images), unit="image", desc="encoding images", disable=disable) as bar:
+        for start in range(0, len(images), batch_size):
+            batch = torch.from_numpy(
+                np.stack([fit_image(image, shape) for image in images[start : start + batch_size]])
+            )
+            latents = family.images_to_latents(batch).float().cpu()
+            for offset, latent in enumerate(latents):
+                image = images[start + offset]
+                if tuple(latent.shape) != tuple(latent_shape):
+                    raise OfflineDataError(
+                        f"image {image} encodes to a latent of shape {tuple(latent.shape)}, but the denoiser takes "
+                        f"{tuple(latent_shape)}; is the pipeline's VAE config consistent with its transformer?"
+                    )
+                name = f"latents/{image.stem}.safetensors"
+                save_tensors(out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name})
+                records.append({"prompt": prompts[start + offset], "latent": name, "file_name": image.name})
+            bar.update(len(latents))
+    lines = [json.dumps(record, ensure_ascii=False) for record in records]
+    replace_text(out_dir / "data.jsonl", "\n".join(lines) + "\n")
+    manifest = {
+        "pipeline": str(pipeline.resolve()),
+        "family": family.name,
+        "image_dir": str(Path(image_dir).resolve()),
+        "image_shape": list(shape),
+        "latent_shape": list(latent_shape),
+        "count": len(records),
+    }
+    replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    logger.info("encoded %d images of %s to %s", len(records), image_dir, out_dir)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m miles.rollout.encode_images",
+        description="Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+    )
+    parser.add_argument("pipeline", help="pipeline directory (any model family)")
+    parser.add_argument("image_dir", help="folder of .png / .jpg / .webp images")
+    parser.add_argument("out_dir", help="output directory")
+    parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
+    parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
+    parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call (default: 8)")
+    ns = parser.parse_args(argv)
+    from miles.utils.log import setup_logging
+
+    setup_logging("INFO")
+    try:
+        manifest = encode_image_folder(
+            ns.pipeline, ns.image_dir, ns.out_dir, captions=ns.captions, prompt=ns.prompt, batch_size=ns.batch_size
+        )
+    except OfflineDataError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    data = Path(ns.out_dir) / "data.jsonl"
+    print(
+        f"encoded {manifest['count']} images to latents {tuple(manifest['latent_shape'])} in {ns.out_dir}; "
+        f"train with --train-only --prompt-data {data}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

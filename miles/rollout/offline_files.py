@@ -1,0 +1,51 @@
+"""File writing shared by the offline data commands (``miles.rollout.prompt_cache``, ``miles.rollout.encode_images``):
+an output-directory check that fails early with one line, and writes that never leave a truncated file under its
+final name (each file is written beside itself and renamed into place)."""
+
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["OfflineDataError", "ensure_writable_dir", "replace_text", "save_tensors"]
+
+
+class OfflineDataError(ValueError):
+    """A problem with an offline command's inputs or output directory; the message names the file and the fix."""
+
+
+def ensure_writable_dir(directory: str | Path, *subdirs: str) -> Path:
+    """Create ``directory`` (and its ``subdirs``) and check that files can be written there.
+
+    Raises:
+        OfflineDataError: if it cannot be created or written (a file in its place, no permission, a full disk).
+    """
+    directory = Path(directory)
+    try:
+        for sub in subdirs or ("",):
+            (directory / sub).mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OfflineDataError(f"cannot write to output directory {directory} ({exc.strerror or exc})") from exc
+    return directory
+
+
+def replace_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary sibling and ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as a ``.safetensors`` file (contiguous copies; string ``metadata`` in its header) through a
+    temporary sibling and ``os.replace``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)

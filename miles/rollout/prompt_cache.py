@@ -1,0 +1,224 @@
+"""Encode a prompt file once, offline, so that training needs no text encoder: ``python -m miles.rollout.prompt_cache``.
+
+SD3.5's T5-XXL alone is 4.7B parameters; with a prompt cache the training ranks read each prompt's cond from disk
+(:mod:`miles.rollout.conditioning`) and never load a text encoder. Any model family works (``sd3``, ``digits``)::
+
+    python -m miles.rollout.prompt_cache PIPELINE PROMPTS.jsonl OUT_DIR [--input-key prompt] [--negative-prompt ""]
+        [--device cpu] [--dtype float32|bfloat16] [--batch-size 16] [--cond-key cond]
+
+writes::
+
+    OUT_DIR/cond/<hash>.safetensors   the cond kwargs of one distinct prompt, no batch dim (sd3:
+                                      encoder_hidden_states (77 + 256, 4096), pooled_projections (2048,))
+    OUT_DIR/negative.safetensors      the same for --negative-prompt
+    OUT_DIR/prompts.jsonl             every input record, in order, plus "cond": "cond/<hash>.safetensors"
+    OUT_DIR/prompt_cache.json         pipeline, family, shapes, dtype, negative prompt, counts
+
+``<hash>`` is :func:`prompt_hash` of the prompt text (SHA-256, first 32 hex digits), so a prompt that occurs many
+times is encoded and stored once. Train with ``--prompt-data OUT_DIR/prompts.jsonl --negative-cond
+OUT_DIR/negative.safetensors``.
+
+Exactness: a float32 cache holds the family's ``encode_prompts`` output bit for bit. Prompts are encoded in batches
+of ``--batch-size`` distinct prompts in first-occurrence order; some encoders (SD3's CLIP projections) differ in the
+last bits between batch compositions, so a run without the cache reproduces a cached run bit for bit only where its
+micro-batches hold the same prompts (``--batch-size 1`` makes every cond independent of its batch).
+"""
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+
+__all__ = ["main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MANIFEST = "prompt_cache.json"
+
+
+def prompt_hash(prompt: str) -> str:
+    """The cache file stem of a prompt: the first 32 hex digits of SHA-256 of its UTF-8 text (stable everywhere)."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:32]
+
+
+def read_prompt_records(path: str | Path, input_key: str = "prompt") -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL prompt file, in order (blank lines skipped).
+
+    Raises:
+        OfflineDataError: for a missing file, a line that is not a JSON object (``file:line``), a record without
+            ``input_key`` or a non-string prompt, or a file without records.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise OfflineDataError(f"prompt file {path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise OfflineDataError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
+            if not isinstance(record.get(input_key), str):
+                raise OfflineDataError(
+                    f"{path}:{line_no} has no string field {input_key!r}; set --input-key to the prompt's field"
+                )
+            records.append(record)
+    if not records:
+        raise OfflineDataError(f"prompt file {path} holds no records")
+    return records
+
+
+def write_prompt_cache(
+    pipeline: str | Path,
+    prompts_path: str | Path,
+    out_dir: str | Path,
+    *,
+    input_key: str = "prompt",
+    cond_key: str = "cond",
+    negative_prompt: str = "",
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    batch_size: int = 16,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Encode every distinct prompt of ``prompts_path`` once with the pipeline's text encoder; write the cache.
+
+    Args:
+        pipeline: a pipeline directory of any model family (its ``model_index.json`` picks the family).
+        prompts_path: JSONL, one object per line with the prompt under ``input_key``.
+        out_dir: the cache directory (created; existing cache files are replaced).
+        cond_key: the field of ``prompts.jsonl`` that names each record's cond file (the trainer's ``--cond-key``).
+        negative_prompt: encoded to ``negative.safetensors`` (the trainer's ``--negative-cond``).
+        device: where the text encoder runs.
+        dtype: ``"float32"`` or ``"bfloat16"``, the stored dtype (the encoder runs as the family loads it; the
+            trainer reads the files back as float32).
+        batch_size: distinct prompts per encoder call.
+        progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
+
+    Returns:
+        the manifest written to ``prompt_cache.json``: ``{"pipeline", "family", "prompts", "cond_key",
+        "input_key", "dtype", "shapes" ({name: [dims]} of one prompt), "negative_prompt", "count" (distinct
+        prompts), "records"}``.
+
+    Raises:
+        OfflineDataError: for a missing or unsupported pipeline, a bad prompt file, an unwritable ``out_dir``, an
+            unknown dtype or a batch size below 1.
+    """
+    from tqdm import tqdm
+
+    from miles.models import get_model_family
+    from miles.models.base import encode_one_prompt
+
+    if dtype not in DTYPES:
+        raise OfflineDataError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
+    if batch_size < 1:
+        raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
+    pipeline, out_dir = Path(pipeline), Path(out_dir)
+    if not pipeline.is_dir():
+        raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
+    try:
+        family = get_model_family(pipeline)
+    except (FileNotFoundError, ValueError) as exc:
+        raise OfflineDataError(str(exc)) from exc
+    records = read_prompt_records(prompts_path, input_key)
+    ensure_writable_dir(out_dir, "cond")
+
+    distinct = list(dict.fromkeys(record[input_key] for record in records))
+    names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
+    encoder = family.load_text_encoder(pipeline, device=device)
+    store = DTYPES[dtype]
+    shapes: dict[str, list[int]] = {}
+    # tqdm's disable=None: shown only on a terminal; a single batch needs no bar
+    disable = (None if len(distinct) > batch_size else True) if progress is None else not progress
+    with tqdm(total=len(distinct), unit="prompt", desc="encoding prompts", disable=disable) as bar:
+        for start in range(0, len(distinct), batch_size):
+            batch = distinct[start : start + batch_size]
+            cond = family.encode_prompts(encoder, batch)
+            for row, prompt in enumerate(batch):
+                one = {key: value[row].to(store) for key, value in cond.items()}
+                shapes = shapes or {key: list(value.shape) for key, value in one.items()}
+                save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
+            bar.update(len(batch))
+    # encoded as the engine encodes it without a cache (miles.rollout.conditioning)
+    negative = encode_one_prompt(family, encoder, negative_prompt)
+    save_tensors(
+        out_dir / "negative.safetensors",
+        {key: value.to(store) for key, value in negative.items()},
+        {"prompt": negative_prompt, "family": family.name},
+    )
+    # prompts.jsonl last: a crash before it leaves no record that names a missing file.
+    lines = [json.dumps({**record, cond_key: names[record[input_key]]}, ensure_ascii=False) for record in records]
+    replace_text(out_dir / "prompts.jsonl", "\n".join(lines) + "\n")
+    manifest = {
+        "pipeline": str(pipeline.resolve()),
+        "family": family.name,
+        "prompts": str(Path(prompts_path).resolve()),
+        "input_key": input_key,
+        "cond_key": cond_key,
+        "dtype": dtype,
+        "shapes": shapes,
+        "negative_prompt": negative_prompt,
+        "count": len(distinct),
+        "records": len(records),
+    }
+    replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    logger.info("cached %d distinct prompts of %d records in %s", len(distinct), len(records), out_dir)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m miles.rollout.prompt_cache",
+        description="Encode every distinct prompt of a JSONL file once with the pipeline's text encoder.",
+    )
+    parser.add_argument("pipeline", help="pipeline directory (any model family)")
+    parser.add_argument("prompts", help="JSONL prompt file")
+    parser.add_argument("out_dir", help="cache directory to write")
+    parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
+    parser.add_argument("--cond-key", default="cond", help="key naming each record's cond file (default: cond)")
+    parser.add_argument("--negative-prompt", default="", help='negative prompt to cache (default: "")')
+    parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per encoder call (default: 16)")
+    ns = parser.parse_args(argv)
+    from miles.utils.log import setup_logging
+
+    setup_logging("INFO")
+    try:
+        manifest = write_prompt_cache(
+            ns.pipeline,
+            ns.prompts,
+            ns.out_dir,
+            input_key=ns.input_key,
+            cond_key=ns.cond_key,
+            negative_prompt=ns.negative_prompt,
+            device=ns.device,
+            dtype=ns.dtype,
+            batch_size=ns.batch_size,
+        )
+    except OfflineDataError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(ns.out_dir)
+    print(
+        f"cached {manifest['count']} distinct prompts ({manifest['records']} records, {manifest['family']}) in {out}; "
+        f"train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
