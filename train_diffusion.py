@@ -159,7 +159,7 @@ def train(args) -> None:
     from miles.backends.fsdp_utils.checkpoint import read_data_state, remove_uncommitted, resume_rollout
     from miles.driver.console import log_groups_ready
     from miles.driver.export import export_schedule
-    from miles.methods import compute_trainer_configs
+    from miles.methods import compute_trainer_configs, get_method
     from miles.ray.placement_group import (
         create_engine_group,
         create_placement_groups,
@@ -180,7 +180,7 @@ def train(args) -> None:
     try:
         pgs = create_placement_groups(args)
         started += [("placement group", pg) for pg, _ in pgs.values()]
-        rollout_manager = create_rollout_manager(args)
+        rollout_manager = create_rollout_manager(args, real_data=get_method(args).real_data(args))
         started.append(("actor", rollout_manager))
         groups = create_training_models(
             args, compute_trainer_configs(args), pgs, started=started, load_rollout_id=load_rollout_id

@@ -89,6 +89,10 @@ class Method:
         """The run's trainer groups in training order; the actor (student) is always one of them."""
         return [TrainerConfig("actor")]
 
+    def real_data(self, args: argparse.Namespace) -> str | None:
+        """A JSONL of real samples the RolloutManager deals beside the prompts (one per sample), or None."""
+        return None
+
     def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
         """Extra keyword arguments of ``write_sampling_schedule`` an export of the student records."""
         return {}

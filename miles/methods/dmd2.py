@@ -12,6 +12,12 @@ backward simulation), the actor's ``prepare_generator_batch`` / ``dmd2_loss_form
 encodes the negative prompt whenever the teacher runs CFG; an export records the teacher's scale it was distilled
 from.
 
+Phase 2 (``--dmd2-gan-disc-weight > 0``, ``loss_hub.gan``): the critic group also holds a discriminator head on
+its own features and trains it, and its backbone, on the student's samples against real ones
+(``--dmd2-gan-real-data``, dealt by the RolloutManager one per sample); its scoring ships each sample's GAN
+gradient, which the student adds with ``--dmd2-gan-gen-weight``. Reference values (tianweiy/DMD2): disc 1e-2,
+gen 1e-3 (SD1.5) to 5e-3 (SDXL).
+
 LoRA, teacher adapters and a reference model are not implemented by this project, so their flags do not exist.
 """
 
@@ -19,6 +25,7 @@ import argparse
 from typing import Any
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
+from miles.backends.fsdp_utils.loss_hub import gan
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
@@ -26,7 +33,14 @@ from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
 from miles.utils.validation import dp_size, reject, rollout_pairs
 
-__all__ = ["DMD2Method", "DMD2_ACTOR_HOOKS", "DMD2_CRITIC_HOOKS", "validate_dmd2_args"]
+__all__ = [
+    "DMD2Method",
+    "DMD2_ACTOR_HOOKS",
+    "DMD2_CRITIC_HOOKS",
+    "DMD2_GAN_CRITIC_HOOKS",
+    "gan_enabled",
+    "validate_dmd2_args",
+]
 
 DMD2_ACTOR_HOOKS = {
     "custom_expand_samples_to_train_pairs_path": hook_path(dmd2_conversion.expand_samples_to_train_pairs),
@@ -39,6 +53,24 @@ DMD2_CRITIC_HOOKS = {
     "custom_loss_function_path": hook_path(sft_loss.sft_loss_formula),
     "custom_train_output_function_path": hook_path(dmd2_loss.predict_teacher_and_critic_x0),
 }
+# Phase 2: the critic holds the GAN head too and trains it beside its flow-matching loss.
+DMD2_GAN_CRITIC_HOOKS = {
+    "custom_build_modules_path": hook_path(gan.build_discriminator),
+    "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_gan_batch),
+    "custom_loss_function_path": hook_path(dmd2_loss.critic_gan_loss),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of block indices, got {text!r}") from exc
+
+
+def gan_enabled(args: argparse.Namespace) -> bool:
+    """Phase 2 (the GAN head) is on when the critic trains a discriminator."""
+    return args.dmd2_gan_disc_weight > 0
 
 
 def validate_dmd2_args(args: argparse.Namespace) -> None:
@@ -81,6 +113,20 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     ratios = (args.dmd2_min_timestep_ratio, args.dmd2_max_timestep_ratio)
     if not 0 <= ratios[0] < ratios[1] <= 1:
         reject(f"need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got {ratios}")
+    for flag, value in (
+        ("--dmd2-gan-disc-weight", args.dmd2_gan_disc_weight),
+        ("--dmd2-gan-gen-weight", args.dmd2_gan_gen_weight),
+    ):
+        if not (value >= 0 and value < float("inf")):
+            reject(f"{flag} must be a finite number >= 0, got {value}")
+    if args.dmd2_gan_gen_weight > 0 and not gan_enabled(args):
+        reject("--dmd2-gan-gen-weight needs a trained discriminator: set --dmd2-gan-disc-weight > 0 (reference 1e-2)")
+    if gan_enabled(args) and not args.dmd2_gan_real_data:
+        reject(
+            "--dmd2-gan-disc-weight > 0 needs --dmd2-gan-real-data (a JSONL of real images or latents with prompts)"
+        )
+    if args.dmd2_gan_real_data and not gan_enabled(args):
+        reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
 
 
 class DMD2Method(Method):
@@ -131,6 +177,30 @@ class DMD2Method(Method):
             default=0.98,
             help="Highest scoring timestep / 1000 (reference 98%%).",
         )
+        group.add_argument(
+            "--dmd2-gan-disc-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of the critic's discriminator loss (reference 1e-2); > 0 adds the GAN head.",
+        )
+        group.add_argument(
+            "--dmd2-gan-gen-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of the student's GAN loss (reference 1e-3 to 5e-3); needs the disc weight.",
+        )
+        group.add_argument(
+            "--dmd2-gan-real-data",
+            type=str,
+            default=None,
+            help="Phase 2: JSONL of real samples (image or latent, and prompt) the discriminator sees.",
+        )
+        group.add_argument(
+            "--dmd2-gan-feature-blocks",
+            type=_int_list,
+            default=None,
+            help="Phase 2: critic blocks whose image tokens feed the head, e.g. '6,12'; default the middle one.",
+        )
 
     def set_defaults(self, args: argparse.Namespace) -> None:
         fill_defaults(args, {**DMD2_ACTOR_HOOKS, "critic_load": args.teacher_load, "critic_lr": args.lr})
@@ -158,7 +228,12 @@ class DMD2Method(Method):
             **DMD2_CRITIC_HOOKS,
             "train_output_before_step": k - 1 if args.dmd2_critic_scoring == "original" else None,
         }
+        if gan_enabled(args):
+            critic.update(DMD2_GAN_CRITIC_HOOKS)
         return [TrainerConfig("critic", critic), TrainerConfig("actor", {"teacher_load": None})]
+
+    def real_data(self, args: argparse.Namespace) -> str | None:
+        return args.dmd2_gan_real_data if gan_enabled(args) else None
 
     def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"distilled_guidance_scale": args.dmd2_teacher_guidance_scale}

@@ -170,6 +170,16 @@ class SD3Family:
         """The ``JointTransformerBlock``s (diffusers' ``_no_split_modules`` of SD3)."""
         return list(denoiser.transformer_blocks)
 
+    def image_tokens(self, block_output) -> torch.Tensor:
+        """The image tokens ``(B, N, D)`` of a ``JointTransformerBlock``'s output ``(text_tokens, image_tokens)``
+        (the DMD2 GAN head's features)."""
+        return block_output[1]
+
+    def token_grid(self, denoiser: nn.Module) -> tuple[int, int]:
+        """The patch grid ``(h, w)`` of the image tokens: ``sample_size / patch_size`` per side."""
+        side = int(denoiser.config.sample_size) // int(denoiser.config.patch_size)
+        return side, side
+
     @property
     def vae(self):
         """The pipeline's ``AutoencoderKL`` (float32, eval, CPU), loaded on first use."""

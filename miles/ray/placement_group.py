@@ -159,9 +159,10 @@ def create_engine_group(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) 
     )
 
 
-def create_rollout_manager(args) -> Any:
-    """Start the ``RolloutManager`` actor (prompt source and DP split; it reserves no CPU of the bundles)."""
+def create_rollout_manager(args, real_data: str | None = None) -> Any:
+    """Start the ``RolloutManager`` actor (prompt source, real data when asked for, DP split; it reserves no CPU of
+    the bundles)."""
     from miles.ray.rollout import RayRolloutManager
 
     dp = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return RayRolloutManager.options(num_cpus=0).remote(args, dp)
+    return RayRolloutManager.options(num_cpus=0).remote(args, dp, real_data)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 class JsonlPromptSource:
     """Hands out records in batches, epoch after epoch.
 
-    Epoch e visits every record once, in the order ``randperm(N)`` from ``stable_hash("prompt_shuffle", seed, e)``
+    Epoch e visits every record once, in the order ``randperm(N)`` from ``stable_hash(purpose, seed, e)``
     (file order when ``shuffle`` is False). A batch that crosses an epoch's end continues in the next epoch.
 
     Args:
@@ -41,21 +41,32 @@ class JsonlPromptSource:
         input_key: the prompt's field (``--input-key``).
         seed: shuffle seed (``--rollout-seed``).
         shuffle: shuffle each epoch (``--rollout-shuffle``).
+        purpose: the shuffle's seed key (a second source, such as real data, shuffles independently).
+        flag: the flag that names the file, for error messages.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
         ValueError: on a line that is not a JSON object, lacks ``input_key``, or an empty file.
     """
 
-    def __init__(self, path: str | Path, input_key: str = "prompt", seed: int = 42, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        input_key: str = "prompt",
+        seed: int = 42,
+        shuffle: bool = True,
+        purpose: str = "prompt_shuffle",
+        flag: str = "--prompt-data",
+    ) -> None:
         self.path = Path(path)
+        self.purpose = purpose
         self.input_key = input_key
         self.seed = seed
         self.shuffle = shuffle
         if self.path.is_dir():
-            raise FileNotFoundError(f"--prompt-data {self.path} is a directory; pass a JSONL file")
+            raise FileNotFoundError(f"{flag} {self.path} is a directory; pass a JSONL file")
         if not self.path.is_file():
-            raise FileNotFoundError(f"--prompt-data {self.path} does not exist")
+            raise FileNotFoundError(f"{flag} {self.path} does not exist")
         self.records: list[dict[str, Any]] = []
         with open(self.path) as f:
             for line_no, line in enumerate(f, start=1):
@@ -64,19 +75,19 @@ class JsonlPromptSource:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"--prompt-data {self.path}:{line_no} is not valid JSON ({exc})") from exc
+                    raise ValueError(f"{flag} {self.path}:{line_no} is not valid JSON ({exc})") from exc
                 if not isinstance(record, dict) or input_key not in record:
                     raise ValueError(
-                        f"--prompt-data {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
+                        f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
                         "prompt's field"
                     )
                 self.records.append(record)
         if not self.records:
-            raise ValueError(f"--prompt-data {self.path} holds no records")
+            raise ValueError(f"{flag} {self.path} holds no records")
         self.epoch = 0
         self.cursor = 0
         self._order = self._epoch_order(0)
-        logger.info("prompt source %s: %d records, shuffle=%s", self.path, len(self.records), shuffle)
+        logger.debug("prompt source %s: %d records, shuffle=%s", self.path, len(self.records), shuffle)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -84,7 +95,7 @@ class JsonlPromptSource:
     def _epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.records)))
-        return torch.randperm(len(self.records), generator=make_generator("prompt_shuffle", self.seed, epoch)).tolist()
+        return torch.randperm(len(self.records), generator=make_generator(self.purpose, self.seed, epoch)).tolist()
 
     def next_batch(self, batch_size: int) -> list[dict[str, Any]]:
         """The next ``batch_size`` records (shallow copies), advancing the cursor across epochs as needed."""
@@ -117,8 +128,8 @@ class JsonlPromptSource:
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if not 0 <= cursor <= len(self.records):
             raise ValueError(
-                f"data source state has cursor {cursor} but --prompt-data {self.path} holds {len(self.records)} "
-                "records; resume with the same data file"
+                f"data source state has cursor {cursor} but {self.path} holds {len(self.records)} records; resume "
+                "with the same data file"
             )
         self.epoch, self.cursor = epoch, cursor
         self._order = self._epoch_order(epoch)
@@ -274,9 +285,12 @@ def make_prompt_shard(
     n_samples_per_prompt: int = 1,
     first_prompt_index: int = 0,
     base_dir: str | Path = ".",
+    real_records: list[dict[str, Any]] | None = None,
+    real_base_dir: str | Path = ".",
 ) -> PromptShard:
     """The ``PromptShard`` of ``records`` (one per prompt), each repeated for its ``n_samples_per_prompt`` samples;
-    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``."""
+    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``. ``real_records``
+    (one per sample, or None) are real data samples dealt beside them."""
     n = n_samples_per_prompt
     return PromptShard(
         rollout_id=rollout_id,
@@ -284,6 +298,8 @@ def make_prompt_shard(
         prompts=[str(record[input_key]) for record in records for _ in range(n)],
         records=[record for record in records for _ in range(n)],
         base_dir=str(base_dir),
+        real_records=real_records,
+        real_base_dir=str(real_base_dir),
     )
 
 

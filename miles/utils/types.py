@@ -47,6 +47,8 @@ class PromptShard:
         prompts: the prompt text of each sample.
         records: each sample's data-source record (the JSONL object: prompt, label, image or latent, cached cond).
         base_dir: the directory that relative paths in the records (images, latents, cached cond) resolve against.
+        real_records: real data records dealt to this shard, one per sample, or None (the DMD2 GAN's
+            ``--dmd2-gan-real-data``); their relative paths resolve against ``real_base_dir``.
     """
 
     rollout_id: int | str
@@ -54,6 +56,8 @@ class PromptShard:
     prompts: list[str]
     records: list[dict[str, Any]]
     base_dir: str = "."
+    real_records: list[dict[str, Any]] | None = None
+    real_base_dir: str = "."
 
     def __len__(self) -> int:
         return len(self.sample_indices)
@@ -171,6 +175,9 @@ class TrainPair:
         sigma: DMD2 only: ``σ_i`` in [0, 1].
         timestep: DMD2 only: ``t_i = σ_i · 1000``.
         step_index: DMD2 only: the stopped step ``i``.
+        real_x0: DMD2 GAN only: float32 ``(C, H, W)``, the clean latent of a real sample paired with this one
+            (``--dmd2-gan-real-data``); the critic's discriminator sees it beside ``x0``.
+        real_cond: DMD2 GAN only: that real sample's prompt cond.
     """
 
     sample_index: int
@@ -181,6 +188,8 @@ class TrainPair:
     sigma: float | None = None
     timestep: float | None = None
     step_index: int | None = None
+    real_x0: torch.Tensor | None = None
+    real_cond: dict[str, torch.Tensor] | None = None
 
 
 def collate_cond(conds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -400,12 +400,37 @@ class FSDPTrainRayActor:
         if self._converter is None:
             self._converter = load_function(args.custom_expand_samples_to_train_pairs_path)
         pairs = convert_samples(args, self._converter, samples)
+        if shard.real_records is not None:
+            self._attach_real_samples(shard, pairs)
         self._check_equal_counts(len(pairs), "the converter (--custom-expand-samples-to-train-pairs-path)")
         box = Box(ray.put(pairs))
         self._generated = (rollout_id, box.inner.hex(), pairs)
         return RolloutResult(
             pairs=box, num_pairs=len(pairs), perf={f"perf/{self.role}-generate_time": time.perf_counter() - start}
         )
+
+    def _attach_real_samples(self, shard: PromptShard, pairs: list[TrainPair]) -> None:
+        """Pair each train pair, in order, with the shard's real sample of the same position (its latent and
+        prompt cond: ``real_x0``, ``real_cond``), so every micro-batch holds as many real as generated samples.
+
+        Raises:
+            ValueError: if the converter returned another count than the real samples dealt.
+        """
+        if len(pairs) != len(shard.real_records):
+            raise ValueError(
+                f"{len(pairs)} train pairs but {len(shard.real_records)} real samples in rollout {shard.rollout_id}; "
+                "real data pairs with one train pair per generated sample"
+            )
+        real = PromptShard(
+            shard.rollout_id,
+            list(shard.sample_indices),
+            [str(record[self.args.input_key]) for record in shard.real_records],
+            shard.real_records,
+            shard.real_base_dir,
+        )
+        shape = self.family.latent_shape(self.args.hf_checkpoint)
+        for pair, sample in zip(pairs, data_samples(self.args, self.family, self.engine.conditioner, real, shape)):
+            pair.real_x0, pair.real_cond = sample.x0, sample.env.pos_cond
 
     def evaluate(
         self, shard: PromptShard, num_steps: int | None = None, guidance_scale: float | None = None

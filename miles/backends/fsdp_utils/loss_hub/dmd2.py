@@ -20,6 +20,13 @@ from functools import partial
 
 import torch
 
+from miles.backends.fsdp_utils.loss_hub.gan import (
+    DISC_HEAD,
+    disc_loss_terms,
+    generator_gan_gradient,
+    noised,
+    seeded_noise_levels,
+)
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
@@ -28,7 +35,9 @@ from miles.utils.sampling import FlowNoiseSchedule, guided_velocity, x0_from_vel
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
+    "critic_gan_loss",
     "prepare_critic_batch",
+    "prepare_critic_gan_batch",
     "scoring_grid_indices",
     "predict_teacher_and_critic_x0",
     "prepare_generator_batch",
@@ -53,6 +62,73 @@ def prepare_critic_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Pre
     """
     sft_pairs = [TrainPair(sample_index=pair.sample_index, x0=pair.x0, pos_cond=pair.pos_cond) for pair in train_pairs]
     return prepare_sft_batch(ctx, sft_pairs)
+
+
+def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+    """Phase 2: the critic's flow-matching batch plus the discriminator's, in one forward of 3B samples.
+
+    Rows ``0..B−1`` are exactly :func:`prepare_critic_batch`'s; rows ``B..2B−1`` are the fakes ``x̂0_i`` and rows
+    ``2B..3B−1`` the paired real latents, both noised at diffusion-GAN levels (σ from the scoring range; σ and noise
+    from ``make_generator("gan_disc", seed, rollout, micro-batch, DP rank)``: fakes first, then reals), with the
+    fakes' positive cond and the reals' own. The critic's one forward then gives the SFT velocity of the first
+    rows and, through the head's feature tap, the discriminator's features of the others (:func:`critic_gan_loss`).
+
+    Raises:
+        ValueError: if a pair carries no real sample (``--dmd2-gan-real-data`` feeds them).
+    """
+    missing = [pair.sample_index for pair in train_pairs if pair.real_x0 is None or not pair.real_cond]
+    if missing:
+        raise ValueError(
+            f"train pairs {missing[:8]} carry no real sample; the DMD2 GAN's critic trains on --dmd2-gan-real-data"
+        )
+    sft = prepare_critic_batch(ctx, train_pairs)
+    grid = trainer_flow_grid(ctx.args)
+    allowed = scoring_grid_indices(ctx.args, grid)
+    fake = torch.stack([pair.x0 for pair in train_pairs]).float()
+    real = torch.stack([pair.real_x0 for pair in train_pairs]).float()
+    sigma, timestep, noise = seeded_noise_levels(
+        ctx, "gan_disc", ctx.microbatch_id, (2 * len(train_pairs), *fake.shape[1:]), grid, allowed
+    )
+    gan_latents = noised(torch.cat([fake, real]), sigma, noise).to(ctx.device)
+    fake_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()}
+    real_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.real_cond for p in train_pairs]).items()}
+    return PreparedBatch(
+        latents=torch.cat([sft.latents, gan_latents]),
+        timestep=torch.cat([sft.timestep, timestep.to(ctx.device)]),
+        cond={key: torch.cat([sft.cond[key], fake_cond[key], real_cond[key]]) for key in sft.cond},
+        target=sft.target,
+        extras={**sft.extras, "gan_batch": len(train_pairs), "gan_sigma": sigma},
+    )
+
+
+def critic_gan_loss(
+    ctx: TrainContext,
+    train_pairs: list[TrainPair],
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    metrics: dict[str, list[float]],
+) -> torch.Tensor:
+    """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
+    rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × ``softplus(D(fake)) + softplus(−D(real))``
+    (tianweiy/DMD2 ``guidance_cls_loss``). Both train the critic backbone; the second also trains the head.
+
+    Metrics: ``sft_loss``, ``gan_disc_loss``, ``gan_logit_real`` and ``gan_logit_fake`` (mean D of each).
+    """
+    batch = prepared.extras["gan_batch"]
+    target = prepared.target.to(device=new_pred.device, dtype=torch.float32)
+    sft = (new_pred[:batch].float() - target).pow(2).flatten(1).mean(dim=1)
+    head = ctx.models[DISC_HEAD]
+    # The tap holds the image tokens of the trainer's forward: rows B.. are the noised fakes, then the reals.
+    logits = head([features[batch:] for features in head.tap.features])
+    logits_fake, logits_real = logits[:batch], logits[batch:]
+    disc = disc_loss_terms(logits_fake, logits_real)
+    weight = float(ctx.args.dmd2_gan_disc_weight)
+    metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
+    metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
+    metrics.setdefault("gan_logit_real", []).extend(logits_real.detach().cpu().tolist())
+    metrics.setdefault("gan_logit_fake", []).extend(logits_fake.detach().cpu().tolist())
+    return (sft + weight * disc).sum()
 
 
 def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
@@ -104,9 +180,14 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
             ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
+    With the GAN head (phase 2, ``ctx.models["disc_head"]``) it also computes, per pair, the generator's GAN
+    gradient ``g_gan = ∂ softplus(−D(noise(x̂0_i))) / ∂x̂0_i`` by autograd through the critic and the head (their
+    weights untouched; σ and noise from ``make_generator("gan_gen", seed, rollout, micro-batch, DP rank)``).
+
     Returns:
         On the CPU, in the shard's order: ``{"sample_index": int64 (N,), "x0_real": float32 (N, C, H, W) (teacher),
-        "x0_fake": float32 (N, C, H, W) (critic), "sigma": float64 (N,) in [0, 1]}``.
+        "x0_fake": float32 (N, C, H, W) (critic), "sigma": float64 (N,) in [0, 1]}``, plus with the GAN head
+        ``"g_gan": float32 (N, C, H, W)`` and ``"gan_logit_fake": float32 (N,)``.
 
     Raises:
         ValueError: with no pairs, without a teacher, or when the teacher runs CFG (guidance ≠ 1) and a pair has an
@@ -129,7 +210,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     allowed = scoring_grid_indices(args, grid)
     micro_batch_size = args.micro_batch_size
 
-    x0_real_parts, x0_fake_parts, sigma_parts = [], [], []
+    gan = DISC_HEAD in ctx.models
+    x0_real_parts, x0_fake_parts, sigma_parts, gan_parts, logit_parts = [], [], [], [], []
     try:
         with torch.no_grad():
             for microbatch_id, start in enumerate(range(0, len(train_pairs), micro_batch_size)):
@@ -152,6 +234,11 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 x0_real_parts.append(x0_from_velocity(x_sigma, sigma_b, v_real.cpu()))
                 x0_fake_parts.append(x0_from_velocity(x_sigma, sigma_b, v_fake.cpu()))
                 sigma_parts.append(sigma)
+                if gan:
+                    levels = seeded_noise_levels(ctx, "gan_gen", microbatch_id, x0_hat.shape, grid, allowed)
+                    g_gan, logits = generator_gan_gradient(ctx, x0_hat.to(ctx.device), pos_cond, *levels)
+                    gan_parts.append(g_gan.cpu())
+                    logit_parts.append(logits.cpu())
     finally:
         for model in [*ctx.teacher_models.values(), *ctx.models.values()]:
             # FSDP2 keeps a root gathered after a no_grad forward; sleep would then move full weights.
@@ -165,19 +252,23 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
         guidance_scale,
         len(sigma_parts),
     )
-    return {
+    scores = {
         "sample_index": torch.tensor([pair.sample_index for pair in train_pairs], dtype=torch.long),
         "x0_real": torch.cat(x0_real_parts),
         "x0_fake": torch.cat(x0_fake_parts),
         "sigma": torch.cat(sigma_parts),
     }
+    if gan:
+        scores["g_gan"] = torch.cat(gan_parts)
+        scores["gan_logit_fake"] = torch.cat(logit_parts)
+    return scores
 
 
 def _single_component(ctx: TrainContext) -> str:
     if len(ctx.models) != 1:
         raise ValueError(
-            f"--loss-type dmd2 trains a single DiT component, got trainable components {sorted(ctx.models)}; "
-            "train one denoiser per student"
+            f"--loss-type dmd2 trains the student as a single DiT component, got trainable components "
+            f"{sorted(ctx.models)}; train one denoiser per student"
         )
     return next(iter(ctx.models))
 
@@ -260,7 +351,8 @@ def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.
     rows = torch.tensor(rows, dtype=torch.long)
     x0_real = scores["x0_real"][rows].to(device=device, dtype=torch.float32)
     x0_fake = scores["x0_fake"][rows].to(device=device, dtype=torch.float32)
-    return x0_real, x0_fake
+    g_gan = scores["g_gan"][rows].to(device=device, dtype=torch.float32) if "g_gan" in scores else None
+    return x0_real, x0_fake, g_gan
 
 
 def dmd2_loss_formula(
@@ -296,7 +388,8 @@ def dmd2_loss_formula(
     latents = prepared.latents.to(device=device, dtype=torch.float32)
     sigma = prepared.extras["sigma"].to(device=device, dtype=torch.float32).view(-1, *([1] * (v.ndim - 1)))
     x0 = latents - sigma * v
-    x0_real, x0_fake = _critic_scores(ctx, prepared.extras["sample_index"], device)
+    x0_real, x0_fake, g_gan = _critic_scores(ctx, prepared.extras["sample_index"], device)
+    gan_weight = float(getattr(ctx.args, "dmd2_gan_gen_weight", 0.0) or 0.0)
 
     reduce_dims = tuple(range(1, x0.ndim))
     with torch.no_grad():
@@ -307,10 +400,19 @@ def dmd2_loss_formula(
         nonfinite = ~torch.isfinite(ratio)
         # ±inf and NaN entries contribute no gradient (nan_to_num's ±3.4e38 would overflow the surrogate's square).
         grad = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
+        dm_grad = grad
+        if g_gan is not None and gan_weight > 0:
+            # ∂loss/∂x0 = g/numel + w·g_gan: tianweiy/DMD2's loss_dm (a mean) + gen_cls_loss_weight · gen_cls_loss.
+            grad = grad + gan_weight * x0[0].numel() * g_gan
     per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
 
     metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())
     metrics.setdefault("dmd2_grad_abs_mean", []).extend(grad.abs().flatten(1).mean(dim=1).cpu().tolist())
     metrics.setdefault("dmd2_nonfinite_frac", []).extend(nonfinite.flatten(1).float().mean(dim=1).cpu().tolist())
+    if g_gan is not None:
+        gan_step = gan_weight * x0[0].numel() * g_gan
+        ratio_norm = gan_step.flatten(1).norm(dim=1) / dm_grad.flatten(1).norm(dim=1).clamp_min(_REL_EPS)
+        metrics.setdefault("dmd2_gan_grad_abs_mean", []).extend(g_gan.abs().flatten(1).mean(dim=1).cpu().tolist())
+        metrics.setdefault("dmd2_gan_dm_grad_ratio", []).extend(ratio_norm.cpu().tolist())
     record_rollout_train_abs_diff(metrics, "x0", x0, prepared.extras["rollout_x0"])
     return per_pair.sum()

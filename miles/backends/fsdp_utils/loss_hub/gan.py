@@ -1,0 +1,225 @@
+"""DMD2 phase 2: a discriminator head on the critic, in DiT form (Yin et al. 2024, §4.3; tianweiy/DMD2
+``SDGuidance.cls_pred_branch`` on the fake-score UNet's bottleneck, ``compute_cls_logits``).
+
+The discriminator is the critic itself plus a small head: the critic transformer runs on a noised image, forward
+hooks read its image-token hidden states after the chosen blocks (``--dmd2-gan-feature-blocks``, default the middle
+one; several blocks give several heads, FastGen-style, whose logits are averaged), the tokens are laid back on
+their patch grid ``(B, D, h, w)`` and strided convolutions with GroupNorm and SiLU reduce each grid to one logit
+per image. Diffusion-GAN: real and fake images are noised at a σ drawn like the DMD2 scoring σ (the
+``--fsdp-flow-shift`` grid inside 2–98% of the timesteps) before the critic sees them.
+
+Losses (non-saturating, tianweiy/DMD2): the critic group minimises ``softplus(D(fake)) + softplus(−D(real))``
+(``guidance_cls_loss``), weighted by ``--dmd2-gan-disc-weight``, beside its flow-matching loss; the generator's is
+``softplus(−D(fake))`` (``gen_cls_loss``), whose gradient with respect to the student's x̂0 the critic's scoring
+hook computes (:func:`generator_gan_gradient`) and the actor adds to its distribution-matching gradient.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.utils.misc import make_generator
+
+__all__ = [
+    "DISC_HEAD",
+    "DiscriminatorHead",
+    "FeatureTap",
+    "build_discriminator",
+    "discriminator_logits",
+    "gan_noise_level",
+    "generator_gan_gradient",
+    "noised",
+    "seeded_noise_levels",
+]
+
+# The head's name among the critic group's trainable modules (ctx.models, checkpoints, metrics).
+DISC_HEAD = "disc_head"
+
+
+def _conv_block(channels_in: int, channels_out: int, kernel: int, stride: int, padding: int) -> list[nn.Module]:
+    return [
+        nn.Conv2d(channels_in, channels_out, kernel_size=kernel, stride=stride, padding=padding),
+        nn.GroupNorm(math.gcd(32, channels_out), channels_out),
+        nn.SiLU(),
+    ]
+
+
+class FeatureTap:
+    """Forward hooks that keep the image tokens of chosen blocks of a denoiser from its most recent forward.
+
+    A pre-hook on the denoiser clears them at the start of each forward, so :attr:`features` always belongs to the
+    last forward (one ``(B, N, D)`` tensor per chosen block, in block order). The critic's trainer forward of a GAN
+    micro-batch thus leaves the discriminator's features for the loss hook, with their autograd graph.
+    """
+
+    def __init__(self, family, denoiser: nn.Module, block_indices: list[int]) -> None:
+        blocks = family.blocks(denoiser)
+        for index in block_indices:
+            if not -len(blocks) <= index < len(blocks):
+                raise ValueError(
+                    f"--dmd2-gan-feature-blocks index {index} is outside the critic's {len(blocks)} blocks"
+                )
+        self.family = family
+        self.block_indices = list(block_indices)
+        self.features: list[torch.Tensor] = []
+        denoiser.register_forward_pre_hook(self._clear)
+        for index in block_indices:
+            blocks[index].register_forward_hook(self._record)
+
+    def _clear(self, module: nn.Module, inputs) -> None:
+        self.features = []
+
+    def _record(self, module: nn.Module, inputs, output) -> None:
+        self.features.append(self.family.image_tokens(output))
+
+
+class DiscriminatorHead(nn.Module):
+    """One small conv head per tapped block: image tokens ``(B, h·w, D)`` → ``(B, D, h, w)`` → stride-2 4×4
+    convolutions (GroupNorm, SiLU) until the grid is at most 2×2, then a convolution over the whole grid and a
+    1×1 convolution to one logit; the heads' logits are averaged. Randomly initialised (PyTorch's defaults).
+
+    Args:
+        hidden_size: D, the transformer's token width.
+        grid: ``(h, w)``, the patch grid of the image tokens.
+        num_features: how many tapped blocks feed it.
+        channels: the convolutions' width (default ``min(D, 256)``).
+    """
+
+    def __init__(self, hidden_size: int, grid: tuple[int, int], num_features: int = 1, channels: int | None = None):
+        super().__init__()
+        self.grid = tuple(grid)
+        channels = channels or min(hidden_size, 256)
+        heads = []
+        for _ in range(num_features):
+            layers, size, width = [], min(self.grid), hidden_size
+            while size > 2:
+                layers += _conv_block(width, channels, kernel=4, stride=2, padding=1)
+                size, width = size // 2, channels
+            layers += _conv_block(width, channels, kernel=size, stride=1, padding=0)  # the whole grid → 1×1
+            layers.append(nn.Conv2d(channels, 1, kernel_size=1))
+            heads.append(nn.Sequential(*layers))
+        self.heads = nn.ModuleList(heads)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """``features``: one ``(B, h·w, D)`` tensor per head → float32 logits ``(B,)``.
+
+        Raises:
+            ValueError: if the feature count or a token count does not match the head.
+        """
+        if len(features) != len(self.heads):
+            raise ValueError(f"the discriminator head has {len(self.heads)} inputs, got {len(features)} features")
+        h, w = self.grid
+        logits = []
+        for head, tokens in zip(self.heads, features):
+            batch, count, width = tokens.shape
+            if count != h * w:
+                raise ValueError(f"expected {h}×{w} image tokens, got {count}")
+            grid = tokens.transpose(1, 2).reshape(batch, width, h, w)
+            dtype = next(head.parameters()).dtype
+            logits.append(head(grid.to(dtype)).flatten(1).mean(dim=1).float())
+        return torch.stack(logits).mean(dim=0)
+
+
+def feature_blocks(args, num_blocks: int) -> list[int]:
+    """``--dmd2-gan-feature-blocks``, default the middle block (``num_blocks // 2``)."""
+    blocks = getattr(args, "dmd2_gan_feature_blocks", None)
+    return [int(index) for index in blocks] if blocks else [num_blocks // 2]
+
+
+def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """The critic group's ``--custom-build-modules-path`` under the GAN: taps the critic transformer's chosen blocks
+    and returns ``{"disc_head": DiscriminatorHead}`` (the trainer shards it and trains it under the critic's
+    optimizer).
+
+    Raises:
+        ValueError: for a family without image tokens (``image_tokens`` / ``token_grid``) or a bad block index.
+    """
+    from miles.models import get_model_family
+
+    family = get_model_family(args.hf_checkpoint, getattr(args, "diffusion_model_family", None))
+    critic = models["transformer"]
+    if not (hasattr(family, "image_tokens") and hasattr(family, "token_grid")):
+        raise ValueError(f"the {family.name} family exposes no image tokens; the DMD2 GAN head needs a DiT family")
+    indices = feature_blocks(args, len(family.blocks(critic)))
+    head = DiscriminatorHead(critic.config.num_attention_heads * critic.config.attention_head_dim,
+                             family.token_grid(critic), num_features=len(indices))  # fmt: skip
+    # The tap lives on the head: the loss and scoring hooks find it through ctx.models["disc_head"].
+    head.tap = FeatureTap(family, critic, indices)
+    return {DISC_HEAD: head}
+
+
+def gan_noise_level(args, grid, allowed: torch.Tensor, count: int, generator: torch.Generator):
+    """Draw ``count`` diffusion-GAN noise levels like the scoring σ: grid positions uniform over ``allowed``, then
+    the noise. Returns ``(sigma float64 (count,), timestep float32 (count,))``."""
+    index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
+    return grid.sigmas[index], grid.timesteps[index].float()
+
+
+def discriminator_logits(
+    ctx,
+    x0: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    sigma: torch.Tensor,
+    timestep: torch.Tensor,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """D(x0): noise ``x0`` ``(B, C, H, W)`` at ``sigma`` (float64 ``(B,)``) with ``noise``, run the critic
+    transformer with ``cond`` under the head's tap and return the head's float32 logits ``(B,)``. Gradients flow to
+    ``x0`` and to the critic and head parameters (as they require)."""
+    head = ctx.models[DISC_HEAD]
+    ctx.predict_velocity(ctx.models["transformer"], noised(x0, sigma, noise), timestep, cond)
+    return head(head.tap.features)
+
+
+def noised(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching ``x_σ = (1 − σ)·x0 + σ·ε`` of a batch, σ float ``(B,)``."""
+    sigma_b = sigma.to(device=x0.device, dtype=torch.float32).view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - sigma_b) * x0 + sigma_b * noise.to(device=x0.device, dtype=x0.dtype)
+
+
+def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> torch.Tensor:
+    """Per pair ``softplus(D(fake)) + softplus(−D(real))`` (float32 ``(B,)``), tianweiy/DMD2's
+    ``guidance_cls_loss``."""
+    return F.softplus(logits_fake) + F.softplus(-logits_real)
+
+
+def generator_gan_gradient(
+    ctx,
+    x0: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    sigma: torch.Tensor,
+    timestep: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g_gan = ∂ softplus(−D(noise(x0))) / ∂x0`` per pair, by autograd through the critic and the head with their
+    weights untouched (their ``requires_grad`` is off for the pass, so no gradient reaches them).
+
+    Returns:
+        ``(g_gan float32 (B, C, H, W), logits float32 (B,))``; each pair's gradient is its own loss's (the sum over
+        the batch does not couple them).
+    """
+    modules = [ctx.models["transformer"], ctx.models[DISC_HEAD]]
+    flags = [[param.requires_grad for param in module.parameters()] for module in modules]
+    for module in modules:
+        module.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            x0 = x0.detach().float().requires_grad_(True)
+            logits = discriminator_logits(ctx, x0, cond, sigma, timestep, noise)
+            (grad,) = torch.autograd.grad(F.softplus(-logits).sum(), x0)
+    finally:
+        for module, module_flags in zip(modules, flags):
+            for param, flag in zip(module.parameters(), module_flags):
+                param.requires_grad_(flag)
+    return grad.detach(), logits.detach()
+
+
+def seeded_noise_levels(ctx, purpose: str, microbatch_id: int, x0_shape, grid, allowed):
+    """The σ, timestep and noise of one diffusion-GAN draw, from ``make_generator(purpose, seed, rollout,
+    micro-batch, DP rank)`` (σ first, then the noise, on the CPU)."""
+    generator = make_generator(purpose, ctx.args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
+    sigma, timestep = gan_noise_level(ctx.args, grid, allowed, x0_shape[0], generator)
+    noise = torch.randn(x0_shape, generator=generator, dtype=torch.float32)
+    return sigma, timestep, noise
