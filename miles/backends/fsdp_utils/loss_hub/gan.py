@@ -39,9 +39,12 @@ DISC_HEAD = "disc_head"
 
 
 def _conv_block(channels_in: int, channels_out: int, kernel: int, stride: int, padding: int) -> list[nn.Module]:
+    # Up to 32 groups (tianweiy/DMD2's) of at least 8 channels: on the final 1×1 grid a group of one channel would
+    # normalise every activation to its bias and cut the logit off from the image.
+    groups = math.gcd(32, max(1, channels_out // 8))
     return [
         nn.Conv2d(channels_in, channels_out, kernel_size=kernel, stride=stride, padding=padding),
-        nn.GroupNorm(math.gcd(32, channels_out), channels_out),
+        nn.GroupNorm(groups, channels_out),
         nn.SiLU(),
     ]
 

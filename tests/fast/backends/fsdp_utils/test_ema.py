@@ -1,0 +1,85 @@
+"""The generator EMA: diffusers' EMAModel warm-up math on the (sharded) weights, the swap for evaluation, and its
+checkpoint round trip through DCP."""
+
+import torch
+from torch import nn
+
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.ema import ParameterEMA
+from miles.backends.fsdp_utils.model import shard_model
+from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.models import get_model_family
+from tests.support.trainer import denoiser_loss, make_args, make_pipeline, single_process_group
+
+
+def _weights(modules: nn.ModuleDict) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in modules.named_parameters()
+    }
+
+
+def test_ema_follows_the_warmed_up_decay_and_swaps_for_evaluation(tmp_path):
+    pipeline = make_pipeline(tmp_path / "digits")
+    family = get_model_family(pipeline)
+    args = make_args(pipeline, tmp_path)
+    with single_process_group() as mesh:
+        model = family.load_denoiser(pipeline)
+        model.train()
+        shard_model(model, [], mesh, torch.float32, reshard_after_forward=False)
+        modules = nn.ModuleDict({"transformer": model})
+        optimizer = build_optimizer([model], args)
+        ema = ParameterEMA(modules, decay=0.9)
+        expected = _weights(modules)
+        for step in range(1, 5):
+            denoiser_loss(family, model, seed=step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update()
+            live = _weights(modules)
+            # diffusers EMAModel: d_1 = 0, then min(decay, (1 + m) / (10 + m)) with m = n − 1.
+            decay = 0.0 if step == 1 else min(0.9, step / (9 + step))
+            expected = {name: decay * expected[name] + (1 - decay) * live[name] for name in live}
+            assert abs(ema.decay_value - decay) < 1e-12
+        shadow = {name: tensor.full_tensor() for name, tensor in ema.state_dict()["shadow"].items()}
+        for name in live:
+            torch.testing.assert_close(shadow[name], expected[name], rtol=1e-6, atol=1e-7)
+        assert max((shadow[name] - live[name]).abs().max().item() for name in live) > 1e-5  # not the live weights
+        with ema.applied():
+            applied = _weights(modules)
+        after = _weights(modules)
+    assert all(torch.allclose(applied[name], shadow[name]) for name in live)
+    assert all(torch.equal(after[name], live[name]) for name in live)  # the live weights come back exactly
+
+
+def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
+    pipeline = make_pipeline(tmp_path / "digits")
+    family = get_model_family(pipeline)
+    args = make_args(pipeline, tmp_path)
+    with single_process_group() as mesh:
+
+        def group():
+            model = family.load_denoiser(pipeline)
+            model.train()
+            shard_model(model, [], mesh, torch.float32, reshard_after_forward=False)
+            modules = nn.ModuleDict({"transformer": model})
+            optimizer = build_optimizer([model], args)
+            scheduler = build_lr_scheduler(optimizer, args, 10)
+            ema = ParameterEMA(modules, decay=0.99)
+            return model, optimizer, scheduler, ema, checkpoint.TrainState(modules, optimizer, ema)
+
+        model, optimizer, scheduler, ema, state = group()
+        for step in range(3):
+            denoiser_loss(family, model, seed=step).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            ema.update()
+        checkpoint.save_checkpoint(tmp_path / "ckpt", 2, state, scheduler, role="actor")
+        saved = {name: t.full_tensor().clone() for name, t in ema.state_dict()["shadow"].items()}
+        _, _, fresh_scheduler, fresh_ema, fresh_state = group()
+        checkpoint.load_checkpoint(tmp_path / "ckpt", 2, fresh_state, fresh_scheduler)
+        loaded = {name: t.full_tensor() for name, t in fresh_ema.state_dict()["shadow"].items()}
+        assert fresh_ema.num_updates == ema.num_updates == 3
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[name], loaded[name]) for name in saved)
