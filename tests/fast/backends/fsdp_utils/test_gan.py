@@ -138,7 +138,6 @@ def test_the_head_learns_real_digits_from_noised_fakes(tmp_path):
     critic = family.load_denoiser(pipeline)
     critic.train().requires_grad_(True)
     head = build_discriminator(args, {"transformer": critic})[DISC_HEAD]
-    ctx = _ctx(args, family, {"transformer": critic, DISC_HEAD: head})
     real = _digits(16)
     fake = torch.rand(16, 1, 8, 8, generator=torch.Generator().manual_seed(1)) * 2 - 1
     cond = _cond(16, 2)
