@@ -1,8 +1,9 @@
-"""The digits recipe: train a tiny text-to-image teacher on real handwritten digits, distill it with DMD2 into a
-4-step (and optionally a 1-step) student, evaluate everything and print the table.
+"""The digits recipe: train a tiny text-to-image teacher on real handwritten digits, pick the teacher's best CFG
+scale, distill it with DMD2 phase 2 (GAN head on the critic against real digits, generator EMA) into a 4-step
+student, evaluate everything and print the table.
 
-    python examples/digits/run_digits.py                       # the whole recipe (CPU, ~11 min on 2 cores)
-    python examples/digits/run_digits.py --one-step --unguided # also a 1-step and an unguided student (~+15 min)
+    python examples/digits/run_digits.py                       # the whole recipe (CPU, 2 cores)
+    python examples/digits/run_digits.py --one-step --phase1   # also a 1-step student and the phase-1 baseline
     python examples/digits/run_digits.py --smoke --out /tmp/d  # a few rollouts per stage (CI)
 
 Stages (each reuses its output when that output is complete, so an interrupted run picks up where it stopped):
@@ -11,9 +12,14 @@ Stages (each reuses its output when that output is complete, so an interrupted r
 2. init      ``python -m miles.models.digits init``: a fresh 0.6M-parameter SD3 transformer pipeline.
 3. teacher   ``train_diffusion.py --loss-type sft_loss --train-only``: flow matching on the train split, with 10%
              of the prompts dropped to the empty prompt so the teacher supports CFG.
-4. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
-             with CFG ``--guidance-scale``. ``--unguided`` adds a CFG-1 distillation, reported beside the teacher at 1.
-5. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG.
+4. sweep     the teacher's 28-step FD at CFG 1, 1.5, 2 and 3; the recipe distills at the best one
+             (``--guidance-scale`` picks one instead).
+5. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
+             with that CFG; phase 2 adds the GAN head (real digits: the train split) and the student's EMA.
+             ``--one-step`` adds a 1-step phase-2 student, ``--phase1`` the no-GAN, no-EMA 4-step student of the
+             same CFG (the gain's baseline), ``--unguided`` a phase-2 student distilled at CFG 1.
+6. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG,
+             the quality bar, and each stage's plots (``python -m miles.plot``).
 
 Every stage is a subprocess running the project's own command line, so the log shows the exact commands to rerun.
 """
@@ -30,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETE = ".miles_stage_complete.json"
+SWEEP_SCALES = (1.0, 1.5, 2.0, 3.0)
 
 logger = logging.getLogger("digits")
 
@@ -50,6 +57,10 @@ STUDENT_FLAGS = [
     "--dmd2-critic-steps-per-rollout", "5",
     "--lr", "1e-4", "--critic-lr", "4e-4", "--clip-grad", "1.0",
 ]  # fmt: skip
+
+# Phase 2: tianweiy/DMD2's discriminator weight, a generator weight from the recipe's search (docs/digits.md), and an
+# EMA of the student that the export and the evaluation use.
+PHASE2_FLAGS = ["--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-gen-weight", "3e-3", "--ema-decay", "0.99"]
 
 
 def stage_done(path: Path) -> bool:
@@ -74,33 +85,94 @@ def run(cmd: list[str]) -> None:
     logger.info("  done in %.0fs", time.perf_counter() - start)
 
 
-def train(name: str, out: Path, flags: list[str], save_hf: Path) -> None:
-    """One ``train_diffusion.py`` run exporting to ``save_hf``, skipped when its export is complete."""
+def train(name: str, out: Path, flags: list[str], save_hf: Path) -> Path:
+    """One ``train_diffusion.py`` run exporting to ``save_hf``, skipped when its export is complete; its plots are
+    written beside its ``metrics.jsonl``. Returns the run directory."""
+    run_dir = out / "runs" / name  # metrics.jsonl, eval grids and plots; kept apart from the exported pipeline
     if stage_done(save_hf):
         logger.info("[%s] reusing %s", name, save_hf)
-        return
+        return run_dir
     logger.info("[%s] training -> %s", name, save_hf)
-    run_dir = out / "runs" / name  # metrics.jsonl and eval grids; kept apart from the exported pipeline
+    overwrite = ["--overwrite-save-hf"] if save_hf.exists() else []
     cmd = [sys.executable, "train_diffusion.py", *flags, "--save-hf", str(save_hf), "--output-dir", str(run_dir)]
-    run(cmd)
+    run(cmd + overwrite)
+    run([sys.executable, "-m", "miles.plot", str(run_dir)])
     mark_done(save_hf, command=shlex.join(cmd))
+    return run_dir
+
+
+def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
+    """The teacher's 28-step figures at each ``SWEEP_SCALES`` CFG scale (reused when complete)."""
+    sweep_dir = out / "eval-cfg-sweep"
+    summary = sweep_dir / "sweep.json"
+    if stage_done(sweep_dir) and summary.is_file():
+        logger.info("[sweep] reusing %s", summary)
+        return json.loads(summary.read_text())
+    from miles.eval.digits.hook import evaluate_pipeline, load_pipeline
+
+    pipeline = load_pipeline(teacher)
+    rows = [
+        evaluate_pipeline(
+            pipeline,
+            name=f"teacher-28step-cfg{scale:g}",
+            num_steps=28,
+            guidance_scale=scale,
+            step_rule="euler",
+            n_per_class=n_per_class,
+            seed=0,
+            out_dir=sweep_dir,
+            model="teacher",
+        )
+        for scale in SWEEP_SCALES
+    ]
+    summary.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    mark_done(sweep_dir)
+    return rows
+
+
+def bar_rows(results: list[dict], scale: float) -> list[list[str]]:
+    """The quality bar of docs/digits.md at one CFG scale: (bar, measured, met) rows for the phase-2 students."""
+    by_name = {row["name"]: row for row in results}
+    teacher = by_name.get(f"teacher-28step-cfg{scale:g}")
+    rows = []
+    for name, row in by_name.items():
+        if teacher is None or row.get("model") != "student" or "phase1" in name:
+            continue
+        steps = row.get("steps")
+        limit = teacher["fd"] * (1.0 if steps != 1 else 1.5)
+        rows.append([f"{name}: FD ≤ {'' if steps != 1 else '1.5 × '}teacher 28-step FD", f"{row['fd']:.3f} ≤ {limit:.3f}",
+                     "yes" if row["fd"] <= limit else "no"])  # fmt: skip
+        rows.append(
+            [f"{name}: accuracy ≥ 97%", f"{100 * row['accuracy']:.1f}%", "yes" if row["accuracy"] >= 0.97 else "no"]
+        )
+        rows.append([f"{name}: recall ≥ 0.9 × teacher's", f"{row['recall']:.3f} vs {0.9 * teacher['recall']:.3f}",
+                     "yes" if row["recall"] >= 0.9 * teacher["recall"] else "no"])  # fmt: skip
+    return rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "digits", help="Run directory.")
-    parser.add_argument("--guidance-scale", type=float, default=3.0, help="Teacher CFG distilled into the student.")
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None, help="Teacher CFG to distill; default: the sweep's best."
+    )
     parser.add_argument("--teacher-rollouts", type=int, default=300, help="Teacher SFT rollouts (4 steps each).")
     parser.add_argument("--student-rollouts", type=int, default=300, help="DMD2 rollouts per student.")
-    parser.add_argument("--one-step", action="store_true", help="Also distill a 1-step student.")
-    parser.add_argument("--unguided", action="store_true", help="Also distill unguided (teacher CFG 1).")
+    parser.add_argument("--one-step", action="store_true", help="Also distill a 1-step phase-2 student.")
+    parser.add_argument("--phase1", action="store_true", help="Also distill the phase-1 (no GAN, no EMA) student.")
+    parser.add_argument("--unguided", action="store_true", help="Also distill a phase-2 student at CFG 1.")
     parser.add_argument("--n-per-class", type=int, default=50, help="Evaluation samples per digit.")
     parser.add_argument("--ranks", type=int, default=2, help="DP ranks of each trainer group (CPU processes).")
     parser.add_argument("--smoke", action="store_true", help="A few rollouts per stage and a small evaluation.")
     parser.add_argument("--use-wandb", action="store_true", help="Log training and eval media to wandb (offline).")
     args = parser.parse_args(argv)
     # Checked here, before the first stage: a bad value would otherwise surface only in the stage that reads it,
-    # possibly after the teacher's hour of training.
+    # possibly after the teacher's training.
     for flag in ("teacher_rollouts", "student_rollouts", "n_per_class"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -108,8 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # The teacher's 64 pairs per step in micro-batches of 32, and the student's 40-pair rollouts, split over 1
         # or 2 ranks only.
         parser.error(f"--ranks must be 1 or 2 (the recipe's batch sizes split over those), got {args.ranks}")
-    if args.guidance_scale < 1:
-        parser.error(f"--guidance-scale must be >= 1 (1 = no CFG), got {args.guidance_scale}")
+    if args.guidance_scale is not None and not 1 <= args.guidance_scale < float("inf"):
+        parser.error(f"--guidance-scale must be a number >= 1 (1 = no CFG), got {args.guidance_scale}")
     if args.smoke:
         args.teacher_rollouts, args.student_rollouts, args.n_per_class = 2, 2, 3
     return args
@@ -138,55 +210,75 @@ def main(argv: list[str] | None = None) -> int:
     eval_flags = ["--eval-function-path", "miles.eval.digits.digits_eval_hook", "--eval-prompt-data"]
 
     teacher = out / "teacher"
-    train(
-        "teacher",
-        out,
-        [*TEACHER_FLAGS, *common, "--hf-checkpoint", str(init_dir), "--prompt-data", str(data["train"]),
-         "--num-rollout", str(args.teacher_rollouts),
-         # The engine only draws the eval images here: the teacher's own sampler, 28 Euler steps with CFG.
-         "--diffusion-num-steps", "28", "--diffusion-step-rule", "euler",
-         "--diffusion-guidance-scale", str(args.guidance_scale),
-         "--eval-interval", str(max(1, args.teacher_rollouts // 3)), *eval_flags, str(data["eval_prompts"])],
-        teacher,
-    )  # fmt: skip
+    run_dirs = {
+        "teacher": train(
+            "teacher",
+            out,
+            [*TEACHER_FLAGS, *common, "--hf-checkpoint", str(init_dir), "--prompt-data", str(data["train"]),
+             "--num-rollout", str(args.teacher_rollouts),
+             # The engine only draws the eval images here: the teacher's own sampler, 28 Euler steps with CFG 2.
+             "--diffusion-num-steps", "28", "--diffusion-step-rule", "euler", "--diffusion-guidance-scale", "2",
+             "--eval-interval", str(max(1, args.teacher_rollouts // 3)), *eval_flags, str(data["eval_prompts"])],
+            teacher,
+        )
+    }  # fmt: skip
 
-    students = {}
-    variants = [(4, args.guidance_scale)]
+    sweep = cfg_sweep(teacher, out, args.n_per_class)
+    best = min(sweep, key=lambda row: row["fd"])["guidance_scale"]
+    scale = best if args.guidance_scale is None else args.guidance_scale
+    logger.info("[sweep] teacher 28-step FD by CFG: %s; distilling at CFG %g",
+                ", ".join(f"{row['guidance_scale']:g}: {row['fd']:.3f}" for row in sweep), scale)  # fmt: skip
+
+    variants = [("phase2", 4, scale)]
     if args.one_step:
-        variants.append((1, args.guidance_scale))
-    if args.unguided:
-        variants.append((4, 1.0))
-    for steps, scale in variants:
-        name = f"student-{steps}step-cfg{scale:g}"
+        variants.append(("phase2", 1, scale))
+    if args.phase1:
+        variants.append(("phase1", 4, scale))
+    if args.unguided and scale != 1.0:
+        variants.append(("phase2", 4, 1.0))
+    students = {}
+    for phase, steps, cfg in variants:
+        name = f"student-{steps}step-cfg{cfg:g}" + ("-phase1" if phase == "phase1" else "")
+        gan = [*PHASE2_FLAGS, "--dmd2-gan-real-data", str(data["train"])] if phase == "phase2" else []
         flags = [
-            *STUDENT_FLAGS, *common,
+            *STUDENT_FLAGS, *gan, *common,
             "--hf-checkpoint", str(teacher), "--teacher-load", str(teacher),
             "--prompt-data", str(data["prompts"]), "--num-rollout", str(args.student_rollouts),
-            "--diffusion-num-steps", str(steps), "--dmd2-teacher-guidance-scale", str(scale),
+            "--diffusion-num-steps", str(steps), "--dmd2-teacher-guidance-scale", str(cfg),
             "--eval-interval", str(max(1, args.student_rollouts // 3)), *eval_flags, str(data["eval_prompts"]),
         ]  # fmt: skip
-        train(name, out, flags, out / name)
-        students[(steps, scale)] = (name, out / name)
+        run_dirs[name] = train(name, out, flags, out / name)
+        students[(steps, cfg, phase)] = (name, out / name)
 
     from miles.eval.digits import evaluate_suite
     from miles.eval.report import format_summary_table
 
-    tables, all_results = [], []
-    for scale in sorted({scale for _, scale in variants}, reverse=True):
-        chosen = {name: str(path) for (steps, s), (name, path) in students.items() if s == scale}
+    sections, all_results = [], []
+    sweep_rows = [[f"{row['guidance_scale']:g}", f"{row['fd']:.3f}", f"{100 * row['accuracy']:.1f}%",
+                   f"{row['recall']:.3f}"] for row in sweep]  # fmt: skip
+    sections.append(
+        "### Teacher CFG sweep (28 Euler steps)\n\n"
+        + markdown_table(["CFG", "FD ↓", "accuracy", "recall"], sweep_rows)
+        + f"\n\nDistilled at CFG {scale:g}" + (" (the lowest FD)." if args.guidance_scale is None else " (--guidance-scale).")
+    )  # fmt: skip
+    for cfg in sorted({cfg for _, _, cfg in variants}, reverse=True):
+        chosen = {name: str(path) for (_, c, _), (name, path) in students.items() if c == cfg}
         results = evaluate_suite(
-            str(teacher),
-            chosen,
-            out / f"eval-cfg{scale:g}",
-            guidance_scale=scale,
-            n_per_class=args.n_per_class,
-            seed=0,
+            str(teacher), chosen, out / f"eval-cfg{cfg:g}", guidance_scale=cfg, n_per_class=args.n_per_class, seed=0
         )
-        tables.append(f"### CFG {scale:g}\n\n{format_summary_table(results)}")
+        section = f"### CFG {cfg:g}\n\n{format_summary_table(results)}"
+        bars = bar_rows(results, cfg)
+        if bars:
+            section += "\n\n#### Against the quality bar\n\n" + markdown_table(["bar", "measured", "met"], bars)
+        sections.append(section)
         all_results += results
-    summary = "\n\n".join(tables)
+    plots = [f"- {name}: " + ", ".join(f"[{png.name}]({png.relative_to(out)})" for png in sorted((run_dir / "plots").glob("*.png")))
+             for name, run_dir in run_dirs.items() if (run_dir / "plots").is_dir()]  # fmt: skip
+    if plots:
+        sections.append("### Training plots\n\n" + "\n".join(plots))
+    summary = "\n\n".join(sections)
     (out / "summary.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
-    (out / "summary.json").write_text(json.dumps(all_results, indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n")
     logger.info("finished in %.0fs; tables in %s and grids under %s/eval-cfg*/", time.perf_counter() - start,
                 out / "summary.md", out)  # fmt: skip
     print(summary)

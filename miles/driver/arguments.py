@@ -261,6 +261,11 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "--save-hf", type=str, default=None, help="Export the student as a diffusers pipeline directory at the end."
     )
     group.add_argument(
+        "--overwrite-save-hf",
+        action="store_true",
+        help="Let --save-hf replace an existing pipeline directory (never anything else).",
+    )
+    group.add_argument(
         "--save-keep-last",
         type=int,
         default=None,
@@ -476,12 +481,11 @@ def validate_args(args: argparse.Namespace) -> None:
         for flag, value in run_paths(args):
             if os.path.realpath(value) == export:
                 reject(f"--save-hf {args.save_hf} is also {flag}; export to a directory of its own")
-        if (
-            os.path.isdir(export)
-            and os.listdir(export)
-            and not os.path.isfile(os.path.join(export, "model_index.json"))
-        ):
-            reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; the export would replace it")
+        if os.path.isdir(export) and os.listdir(export):
+            if not os.path.isfile(os.path.join(export, "model_index.json")):
+                reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; export somewhere else")
+            if not args.overwrite_save_hf:
+                reject(f"--save-hf {args.save_hf} holds a pipeline already; add --overwrite-save-hf to replace it")
     if args.eval_interval is not None and args.eval_interval < 1:
         reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
     validate_number_args(args)

@@ -8,7 +8,6 @@ split over the actor ranks (or the engine replicas). ``--eval-function-path`` sc
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from miles.rollout.data_source import make_prompt_shard
@@ -16,7 +15,7 @@ from miles.rollout.engine import data_base_dir
 from miles.utils.misc import load_function
 from miles.utils.types import PromptShard
 
-__all__ = ["EVAL_ROLLOUT_ID", "eval_grid_path", "eval_shard", "load_eval_records", "maybe_evaluate", "should_evaluate"]
+__all__ = ["EVAL_ROLLOUT_ID", "eval_shard", "load_eval_records", "maybe_evaluate", "should_evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,6 @@ def eval_shard(args, records: list[dict]) -> PromptShard:
     )
 
 
-def eval_grid_path(args, rollout_id: int) -> Path:
-    """``<output-dir>/eval/rollout_<id>.png``: where an evaluation's image grid goes."""
-    return Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png"
-
-
 def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker) -> dict[str, Any]:
     """Every ``--eval-interval`` rollouts: sample the eval prompts with the current student, score them with
     ``--eval-function-path`` and log the figures as ``eval/<name>``.
@@ -70,7 +64,7 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker) -> dict[str, An
     """
     if not should_evaluate(args, rollout_id):
         return {}
-    from miles.eval.grids import save_image_grid
+    from miles.eval.grids import eval_grid_path, save_image_grid
 
     records = load_eval_records(args)
     images = sampler.evaluate(eval_shard(args, records))

@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from miles.eval.images import to_uint8_images
 
-__all__ = ["render_labelled_grid", "save_labelled_grid", "save_image_grid"]
+__all__ = ["eval_grid_path", "render_labelled_grid", "save_labelled_grid", "save_image_grid"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,3 +208,9 @@ def save_image_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(canvas[..., 0] if channels == 1 else canvas).save(path, format="PNG")
     return str(path)
+
+
+def eval_grid_path(args: Any, rollout_id: int) -> Path:
+    """``<output-dir>/eval/rollout_<id>.png``: where the driver's train-time evaluation of a rollout puts its grid
+    (an eval hook may draw its own there; otherwise the driver tiles the images)."""
+    return Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png"

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from miles.eval.digits.data import DIGIT_PROMPTS
 from miles.eval.digits.grids import save_digit_grid
 from miles.eval.digits.metrics import evaluate_images, evaluate_real_baseline, summary_notes
+from miles.eval.grids import eval_grid_path
 from miles.eval.report import log_to_wandb, write_summary
 from miles.models.digits_pipeline import DigitsPipeline
 
@@ -283,11 +284,6 @@ def evaluate_suite(
     write_summary(results, out_dir, title=title, notes=summary_notes(results))
     log_to_wandb(results, images={r["name"]: r["grid"] for r in results if r.get("grid")})
     return results
-
-
-def eval_grid_path(args: Any, rollout_id: int) -> Path:
-    """Where :func:`digits_eval_hook` saves the grid of a rollout: ``<--output-dir>/eval/rollout_<id>.png``."""
-    return Path(args.output_dir) / "eval" / f"rollout_{rollout_id}.png"
 
 
 def _record_label(record: dict, position: int) -> int:
