@@ -80,10 +80,12 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
     from miles.driver.evaluation import maybe_evaluate
     from miles.driver.schedule import needs_sleep, should_save
     from miles.ray.placement_group import use_gpu_bundles
+    from miles.utils.health import alarms
 
     actor = groups["actor"]
     turns = DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
     progress = RolloutProgress(args, start_rollout_id)
+    alarmed: set[str] = set()  # health figures outside their threshold, warned about once until they recover
     for rollout_id in range(start_rollout_id, args.num_rollout):
         perf: dict[str, float] = {}
         step_start = time.perf_counter()
@@ -107,6 +109,10 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
             for metrics in trained[0].metrics:
                 tracker.log(metrics, rollout_id)
             step_metrics.update(trained[0].metrics[-1] if trained[0].metrics else {})
+        current = {alarm.split("=")[0]: alarm for alarm in alarms(step_metrics)}
+        for name in sorted(set(current) - alarmed):
+            progress.note(f"warning: rollout {rollout_id}: {current[name]}; the student may be collapsing")
+        alarmed = set(current)
         if engines is not None:
             with _timer(perf, "perf/update_weights_time"):
                 ray.get(actor.async_update_weights(engines.engines))
@@ -116,7 +122,7 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
                 save_rollout(args, rollout_id, rollout_manager, groups)
             progress.note(f"saved rollout {rollout_id} to {args.save}")
         with _timer(perf, "perf/eval_time"):
-            eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker)
+            eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
         if eval_metrics:
             progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
         perf["perf/step_time"] = time.perf_counter() - step_start

@@ -49,15 +49,19 @@ def eval_shard(args, records: list[dict]) -> PromptShard:
     )
 
 
-def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker) -> dict[str, Any]:
+def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | None = None) -> dict[str, Any]:
     """Every ``--eval-interval`` rollouts: sample the eval prompts with the current student, score them with
     ``--eval-function-path`` and log the figures as ``eval/<name>``.
 
     The grid ``<output-dir>/eval/rollout_<id>.png`` is the hook's own if it writes one there, else the images tiled
     in order; it is logged as wandb media with ``--use-wandb``.
 
+    With ``groups`` (the trainer groups), the method's own eval images are drawn too (``Method.eval_media``: DMD2's
+    debug grid) and logged as media beside the samples.
+
     Args:
         sampler: the actor group or the engine group (anything with ``evaluate(shard) -> uint8 (B, H, W, C)``).
+        groups: ``{role: RayTrainGroup}``, or None for no method media.
 
     Returns:
         The logged metrics (``{}`` when this rollout does not evaluate).
@@ -77,5 +81,10 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker) -> dict[str, An
     if not grid.exists():
         # The hook may draw its own grid there (the digits hook labels one row per digit); else tile the images.
         save_image_grid(images, grid, per_row=10)
-    tracker.log(metrics, rollout_id, images={"eval/samples": grid})
+    media = {"eval/samples": grid}
+    if groups is not None:
+        from miles.methods import get_method
+
+        media.update(get_method(args).eval_media(args, groups, records, rollout_id))
+    tracker.log(metrics, rollout_id, images=media)
     return metrics

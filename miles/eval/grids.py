@@ -163,7 +163,7 @@ def save_labelled_grid(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG")
-    logger.info("saved labelled grid %s (%dx%d)", path, image.width, image.height)
+    logger.debug("saved labelled grid %s (%dx%d)", path, image.width, image.height)
     return str(path)
 
 

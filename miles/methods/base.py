@@ -93,6 +93,10 @@ class Method:
         """A JSONL of real samples the RolloutManager deals beside the prompts (one per sample), or None."""
         return None
 
+    def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
+        """Extra images this method draws at each evaluation, ``{wandb key: PNG path}`` (DMD2: its debug grid)."""
+        return {}
+
     def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
         """Extra keyword arguments of ``write_sampling_schedule`` an export of the student records."""
         return {}

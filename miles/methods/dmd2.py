@@ -22,7 +22,10 @@ LoRA, teacher adapters and a reference model are not implemented by this project
 """
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
 from miles.backends.fsdp_utils.loss_hub import gan
@@ -59,6 +62,53 @@ DMD2_GAN_CRITIC_HOOKS = {
     "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_gan_batch),
     "custom_loss_function_path": hook_path(dmd2_loss.critic_gan_loss),
 }
+
+
+# Samples in the debug grid of each evaluation.
+DEBUG_SAMPLES = 8
+
+
+def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict], rollout_id: int) -> Path:
+    """Generate ``records``' samples with the actor group (rollout id ``"debug"``), score them with the critic
+    group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`."""
+    import ray
+
+    from miles.eval.debug_grid import save_dmd2_debug_grid
+    from miles.models import get_model_family
+    from miles.ray.actor_group import split_shard
+    from miles.rollout.data_source import make_prompt_shard
+    from miles.rollout.engine import data_base_dir
+    from miles.utils.types import Box
+
+    actor, critic = groups["actor"], groups["critic"]
+    base_dir = data_base_dir(args.eval_prompt_data or args.prompt_data)
+    shard = make_prompt_shard("debug", records, input_key=args.input_key, base_dir=base_dir)
+    shards, pad = split_shard(shard, actor.world_size)
+    results = ray.get(actor.async_generate("debug", [Box(ray.put(part)) for part in shards]))
+    boxes = [result.pairs for result in results]
+    scores = [ray.get(box.inner) for box in ray.get(critic.async_train_output("debug", boxes))]
+    pairs = [pair for box in boxes for pair in ray.get(box.inner)]
+    keep = len(pairs) - pad
+    pairs = pairs[:keep]
+
+    def column(name: str) -> torch.Tensor:
+        return torch.cat([part[name] for part in scores])[:keep].float()
+
+    student = torch.stack([pair.x0 for pair in pairs]).float()
+    real, fake = column("x0_real"), column("x0_fake")
+    normalizer = (student - real).abs().mean(dim=(1, 2, 3), keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
+    columns = {
+        "x_i": torch.stack([pair.latent for pair in pairs]).float(),
+        "x0 student": student,
+        "x0 teacher": real,
+        "x0 critic": fake,
+        "g": torch.nan_to_num((fake - real) / normalizer, nan=0.0, posinf=0.0, neginf=0.0),
+    }
+    if "g_gan" in scores[0]:
+        columns["g_gan"] = column("g_gan")
+    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
+    path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
+    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=family.latents_to_images)
 
 
 def _int_list(text: str) -> list[int]:
@@ -237,6 +287,15 @@ class DMD2Method(Method):
 
     def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"distilled_guidance_scale": args.dmd2_teacher_guidance_scale}
+
+    def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
+        """The DMD2 debug grid of ``DEBUG_SAMPLES`` fixed eval samples (tianweiy/DMD2 issue #33: to debug a
+        collapsing run, look at exactly these): per sample ``x_i``, the student's x̂0_i, the teacher's and the
+        critic's x0 predictions of it re-noised, and the gradient map g (and ``g_gan`` under phase 2), decoded
+        through the family's VAE where there is one. The samples' noise and stop steps are keyed by the rollout id
+        ``"debug"``, so every evaluation of a run draws the same ones. Saved as
+        ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
+        return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, eval_records[:DEBUG_SAMPLES], rollout_id)}
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:

@@ -273,7 +273,7 @@ def write_sampling_schedule(
         if model_index.get("scheduler") != entry:
             model_index["scheduler"] = entry
             _replace_json(index_path, model_index)
-    logger.info("wrote sampling schedule to %s: %s, rule %s", path, schedule, step_rule)
+    logger.debug("wrote sampling schedule to %s: %s, rule %s", path, schedule, step_rule)
     return read_sampling_schedule(config)
 
 

@@ -163,6 +163,11 @@ class RayTrainGroup:
             for rank, actor in enumerate(self.actors)
         ]
 
+    def async_train_output(self, rollout_id: int | str, pairs_boxes: list[Box]) -> list[ray.ObjectRef]:
+        """Run only the train-output hook of every rank on its pairs (no training); refs of ``Box(output)``."""
+        self._check_per_rank("train-pair shards", pairs_boxes)
+        return [actor.train_output.remote(rollout_id, box) for actor, box in zip(self.actors, pairs_boxes)]
+
     def async_save(self, rollout_id: int, data_state: Any = None) -> list[ray.ObjectRef]:
         """Checkpoint every rank after ``rollout_id``; ``data_state`` is the driver's data cursor."""
         return [actor.save.remote(rollout_id, data_state) for actor in self.actors]

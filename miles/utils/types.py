@@ -168,6 +168,7 @@ class TrainPair:
 
     Attributes:
         sample_index: the source sample's index within the rollout; keys the critic's scores for the actor.
+        prompt: the source sample's prompt text (groups a prompt's samples, e.g. for the health figures).
         x0: float32 ``(C, H, W)``, the clean target: a data latent (SFT) or the rollout's ``x̂0_i`` (DMD2).
         pos_cond: the prompt's cond kwargs.
         neg_cond: the negative prompt's cond kwargs, ``{}`` if the rollout did not encode it.
@@ -184,6 +185,7 @@ class TrainPair:
     x0: torch.Tensor
     pos_cond: dict[str, torch.Tensor]
     neg_cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt: str = ""
     latent: torch.Tensor | None = None
     sigma: float | None = None
     timestep: float | None = None

@@ -107,7 +107,10 @@ def load_hooks(args) -> TrainHooks:
 
 
 def metric_key(role: str, name: str) -> str:
-    """``train/<name>`` for the actor, ``train/<role>-<name>`` for any other group (upstream log_train_step)."""
+    """``train/<name>`` for the actor, ``train/<role>-<name>`` for any other group (upstream log_train_step); a name
+    with its own namespace (``health/diversity_ratio``) is kept as it is."""
+    if "/" in name:
+        return name
     return f"train/{name}" if role == "actor" else f"train/{role}-{name}"
 
 
@@ -517,6 +520,7 @@ class FSDPTrainRayActor:
         micro_batches_per_window = len(windows[0])
 
         timers = {"train_steps_time": 0.0, "train_output_time": 0.0}
+        self._output_metrics: dict[str, list[float]] = {}
         output, output_done = None, self.hooks.train_output is None
         before = getattr(args, "train_output_before_step", None)
         step_metrics = []
@@ -531,6 +535,9 @@ class FSDPTrainRayActor:
             output = self._timed(timers, "train_output_time", self._train_output, rollout_id, external, pairs)
         # A hook may have run a frozen model (kept gathered through the phase); free it before the next group.
         self._reshard_all()
+        for name, values in self._output_metrics.items():
+            if values:
+                step_metrics[-1][name] = sum(values) / len(values)
         metrics = self._reduce_metrics(step_metrics)
         perf = {}
         if self.rank == 0:
@@ -629,11 +636,26 @@ class FSDPTrainRayActor:
 
     def _train_output(self, rollout_id: int, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
         ctx = self._context(rollout_id, external, 0)
+        ctx.metrics = self._output_metrics = {}
         try:
             with torch.no_grad(), compute_context(self.model, self.dtype, self.device):
                 return self.hooks.train_output(ctx, pairs)
         finally:
             self._reshard_all()
+
+    def train_output(self, rollout_id: int | str, pairs_box: Box, external_data: dict[str, Box] | None = None) -> Box:
+        """Collective: run only the train-output hook on this rank's pairs (no optimizer step), e.g. to score a
+        fixed probe batch at evaluation time; the group wakes for it if it sleeps. Returns ``Box(ray.put(output))``.
+
+        Raises:
+            ValueError: if the group has no train-output hook.
+        """
+        if self.hooks.train_output is None:
+            raise ValueError(f"the {self.role} group has no --custom-train-output-function-path")
+        external = {role: ray.get(box.inner) for role, box in (external_data or {}).items()}
+        with self.sleeper.awake():
+            output = self._train_output(rollout_id, external, self._pairs(rollout_id, pairs_box))
+        return Box(ray.put(output))
 
     def _reduce_metrics(self, step_metrics: list[dict[str, float]]) -> list[dict[str, float]]:
         """Average each step's metrics over the DP ranks: one gather per rollout, the result on rank 0 only."""
@@ -712,7 +734,7 @@ class FSDPTrainRayActor:
                 shutil.rmtree(stale)
             else:
                 os.rename(tmp, out)
-            logger.info("exported %s pipeline to %s", self.role, out)
+            logger.debug("exported %s pipeline to %s", self.role, out)
         dist.barrier()
         return str(out_dir)
 

@@ -161,7 +161,7 @@ def _load_cached(cache_dir: str, split_seed: int) -> DigitsClassifier:
                 heldout_accuracy=payload["heldout_accuracy"],
                 sklearn_version=payload["sklearn_version"],
             )
-            logger.info("loaded digits classifier from %s", path)
+            logger.debug("loaded digits classifier from %s", path)
             return classifier
         except Exception as exc:  # a corrupt or foreign cache file is rebuilt, not fatal
             logger.warning("could not load digits classifier cache %s (%s); retraining", path, exc)

@@ -106,7 +106,7 @@ def evaluate_images(
         spread_ratio=figures["spread_ratio"],
         classifier_heldout_accuracy=classifier.heldout_accuracy,
     )
-    logger.info(
+    logger.debug(
         "eval %s: n=%d seed=%d accuracy=%.4f fd=%.4f recall=%.3f spread=%.3f",
         name,
         result["n_samples"],

@@ -68,6 +68,7 @@ def expand_samples_to_train_pairs(args, samples: list[Sample]) -> list[TrainPair
                 x0=trajectory.x0_preds[0].float(),
                 pos_cond=dict(sample.env.pos_cond),
                 neg_cond=dict(sample.env.neg_cond),
+                prompt=sample.prompt,
                 latent=trajectory.latents[0].float(),
                 sigma=float(trajectory.sigmas[step]),
                 timestep=float(trajectory.timesteps[step]),

@@ -37,6 +37,7 @@ def expand_samples_to_train_pairs(args, samples: list[Sample]) -> list[TrainPair
                 x0=x0.float(),
                 pos_cond=dict(sample.env.pos_cond),
                 neg_cond=dict(sample.env.neg_cond),
+                prompt=sample.prompt,
             )
         )
     return pairs

@@ -30,6 +30,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
+from miles.utils.health import health_figures
 from miles.utils.misc import make_generator
 from miles.utils.sampling import FlowNoiseSchedule, guided_velocity, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
@@ -180,6 +181,9 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
             ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
+    It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
+    x̂0_i against the teacher's predictions) to ``ctx.metrics``, logged as ``health/*``.
+
     With the GAN head (phase 2, ``ctx.models["disc_head"]``) it also computes, per pair, the generator's GAN
     gradient ``g_gan = ∂ softplus(−D(noise(x̂0_i))) / ∂x̂0_i`` by autograd through the critic and the head (their
     weights untouched; σ and noise from ``make_generator("gan_gen", seed, rollout, micro-batch, DP rank)``).
@@ -252,6 +256,11 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
         guidance_scale,
         len(sigma_parts),
     )
+    if ctx.metrics is not None:
+        # The collapse alarms' figures: the student's samples against the teacher's predictions of them.
+        student = torch.stack([pair.x0 for pair in train_pairs]).float()
+        for name, value in health_figures(student, torch.cat(x0_real_parts), [p.prompt for p in train_pairs]).items():
+            ctx.metrics.setdefault(name, []).append(value)
     scores = {
         "sample_index": torch.tensor([pair.sample_index for pair in train_pairs], dtype=torch.long),
         "x0_real": torch.cat(x0_real_parts),

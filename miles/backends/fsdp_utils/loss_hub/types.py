@@ -48,6 +48,8 @@ class TrainContext:
         rollout_id: the rollout being trained on.
         microbatch_id: the micro-batch's index within this rank's rollout shard.
         dp_rank: this rank's data-parallel index; dp_size: the group's data-parallel size.
+        metrics: in a train-output hook, a ``{name: [values]}`` dict the hook may append figures to (averaged and
+            logged with the group's last step, like a loss hook's); None elsewhere.
     """
 
     args: Any
@@ -61,6 +63,7 @@ class TrainContext:
     microbatch_id: int = 0
     dp_rank: int = 0
     dp_size: int = 1
+    metrics: dict[str, list[float]] | None = None
 
     def predict_velocity(
         self, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
