@@ -390,7 +390,13 @@ class FSDPTrainRayActor:
         Raises:
             ValueError: on a bad converter path or output, or when the ranks' pair counts differ.
         """
-        start = time.perf_counter()
+        timers: dict[str, float] = {}
+        pairs = self._timed(timers, "generate_time", self._generate_pairs, shard_box)
+        box = Box(ray.put(pairs))
+        self._generated = (rollout_id, box.inner.hex(), pairs)
+        return RolloutResult(pairs=box, num_pairs=len(pairs), perf=self._perf_record(timers))
+
+    def _generate_pairs(self, shard_box: Box) -> list[TrainPair]:
         args = self.args
         shard: PromptShard = ray.get(shard_box.inner)
         if args.train_only:
@@ -406,11 +412,7 @@ class FSDPTrainRayActor:
         if shard.real_records is not None:
             self._attach_real_samples(shard, pairs)
         self._check_equal_counts(len(pairs), "the converter (--custom-expand-samples-to-train-pairs-path)")
-        box = Box(ray.put(pairs))
-        self._generated = (rollout_id, box.inner.hex(), pairs)
-        return RolloutResult(
-            pairs=box, num_pairs=len(pairs), perf={f"perf/{self.role}-generate_time": time.perf_counter() - start}
-        )
+        return pairs
 
     def _attach_real_samples(self, shard: PromptShard, pairs: list[TrainPair]) -> None:
         """Pair each train pair, in order, with the shard's real sample of the same position (its latent and
@@ -539,19 +541,32 @@ class FSDPTrainRayActor:
             if values:
                 step_metrics[-1][name] = sum(values) / len(values)
         metrics = self._reduce_metrics(step_metrics)
-        perf = {}
+        perf = self._perf_record(timers)
         if self.rank == 0:
-            perf = {f"perf/{self.role}-{name}": seconds for name, seconds in timers.items()}
             perf.update({f"memory/{self.role}-{name}_bytes": n for name, n in self.memory_bytes().items()})
         return TrainResult(output=Box(ray.put(output)), metrics=metrics, perf=perf)
 
-    @staticmethod
-    def _timed(timers: dict[str, float], key: str, fn: Callable, *args):
+    def _perf_record(self, timers: dict[str, float]) -> dict[str, float]:
+        """Rank 0's timers as ``perf/<role>-<name>`` (seconds) and ``memory/<role>-peak_<phase>_bytes``; ``{}``
+        on the other ranks."""
+        if self.rank != 0:
+            return {}
+        return {f"{'memory' if k.startswith('peak_') else 'perf'}/{self.role}-{k}": v for k, v in timers.items()}
+
+    def _timed(self, timers: dict[str, float], key: str, fn: Callable, *args):
+        """Run ``fn(*args)``, adding its seconds to ``timers[key]``; on CUDA also the phase's peak device memory
+        (``timers["peak_<phase>_bytes"]``, the largest over the calls)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            timers[key] += time.perf_counter() - start
+            timers[key] = timers.get(key, 0.0) + time.perf_counter() - start
+            if cuda:
+                peak = f"peak_{key.removesuffix('_time')}_bytes"
+                timers[peak] = max(timers.get(peak, 0), torch.cuda.max_memory_allocated(self.device))
 
     def _train_window(
         self, rollout_id: int, external: dict[str, Any], micro_batches: list[list[TrainPair]], first_microbatch_id: int
