@@ -21,16 +21,16 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
 )
 from miles.backends.fsdp_utils.loss_hub.sft import sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.driver.arguments import parse_args
+from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
+from miles.models.base import read_scheduler_config
 from miles.models.digits import init_digits_pipeline
 from miles.ray.data_conversion_hub.dmd2 import expand_samples_to_train_pairs
-from miles.models.base import read_scheduler_config
 from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.data_source import make_prompt_shard
 from miles.rollout.engine import RolloutEngine
 from miles.rollout.step_strategy_hub import stop_at_random_step
-from miles.driver.arguments import parse_args
-from miles.methods import compute_trainer_configs
 from miles.utils.trainer_config import compute_trainer_args
 
 REPO = Path(__file__).resolve().parents[3]
