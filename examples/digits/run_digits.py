@@ -189,7 +189,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from miles.utils.log import setup_logging
+
+    # The recipe's own lines only: the evaluation's pipeline loads stay quiet (no loading bars).
+    setup_logging("INFO")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
