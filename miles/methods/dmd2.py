@@ -169,6 +169,11 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     ):
         if not (value >= 0 and value < float("inf")):
             reject(f"{flag} must be a finite number >= 0, got {value}")
+    if not args.dmd2_min_timestep_ratio < args.dmd2_gan_max_timestep_ratio <= 1:
+        reject(
+            f"need --dmd2-min-timestep-ratio < --dmd2-gan-max-timestep-ratio <= 1, got "
+            f"{(args.dmd2_min_timestep_ratio, args.dmd2_gan_max_timestep_ratio)}"
+        )
     if args.dmd2_gan_gen_weight > 0 and not gan_enabled(args):
         reject("--dmd2-gan-gen-weight needs a trained discriminator: set --dmd2-gan-disc-weight > 0 (reference 1e-2)")
     if gan_enabled(args) and not args.dmd2_gan_real_data:
@@ -244,6 +249,12 @@ class DMD2Method(Method):
             type=str,
             default=None,
             help="Phase 2: JSONL of real samples (image or latent, and prompt) the discriminator sees.",
+        )
+        group.add_argument(
+            "--dmd2-gan-max-timestep-ratio",
+            type=float,
+            default=0.98,
+            help="Phase 2: highest diffusion-GAN noise timestep / 1000 (tianweiy/DMD2's diffusion_gan_max_timestep).",
         )
         group.add_argument(
             "--dmd2-gan-feature-blocks",

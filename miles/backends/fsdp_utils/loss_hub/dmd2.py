@@ -84,7 +84,7 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
         )
     sft = prepare_critic_batch(ctx, train_pairs)
     grid = trainer_flow_grid(ctx.args)
-    allowed = scoring_grid_indices(ctx.args, grid)
+    allowed = gan_grid_indices(ctx.args, grid)
     fake = torch.stack([pair.x0 for pair in train_pairs]).float()
     real = torch.stack([pair.real_x0 for pair in train_pairs]).float()
     sigma, timestep, noise = seeded_noise_levels(
@@ -132,7 +132,19 @@ def critic_gan_loss(
     return (sft + weight * disc).sum()
 
 
-def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
+def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
+    """Indices of the trainer grid the diffusion-GAN noise is drawn from: the scoring range with its top at
+    ``--dmd2-gan-max-timestep-ratio`` (tianweiy/DMD2's ``diffusion_gan_max_timestep``; small images are unreadable
+    at high noise, so a discriminator there learns nothing).
+
+    Raises:
+        ValueError: if no grid point falls in the range.
+    """
+    top = getattr(args, "dmd2_gan_max_timestep_ratio", args.dmd2_max_timestep_ratio)
+    return scoring_grid_indices(args, grid, max_ratio=top)
+
+
+def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None = None) -> torch.Tensor:
     """Indices (int64, ascending) of the trainer grid whose timestep lies in the DMD2 scoring range.
 
     The range is ``[--dmd2-min-timestep-ratio, --dmd2-max-timestep-ratio] · 1000`` (2–98% by default, tianweiy/DMD2's
@@ -142,7 +154,7 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
         ValueError: if no grid point falls in the range.
     """
     low = args.dmd2_min_timestep_ratio * NUM_TRAIN_TIMESTEPS
-    high = args.dmd2_max_timestep_ratio * NUM_TRAIN_TIMESTEPS
+    high = (args.dmd2_max_timestep_ratio if max_ratio is None else max_ratio) * NUM_TRAIN_TIMESTEPS
     allowed = torch.nonzero((grid.timesteps >= low) & (grid.timesteps <= high)).flatten()
     if len(allowed) == 0:
         raise ValueError(
@@ -215,6 +227,7 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     micro_batch_size = args.micro_batch_size
 
     gan = DISC_HEAD in ctx.models
+    gan_allowed = gan_grid_indices(args, grid) if gan else None
     x0_real_parts, x0_fake_parts, sigma_parts, gan_parts, logit_parts = [], [], [], [], []
     try:
         with torch.no_grad():
@@ -239,7 +252,7 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 x0_fake_parts.append(x0_from_velocity(x_sigma, sigma_b, v_fake.cpu()))
                 sigma_parts.append(sigma)
                 if gan:
-                    levels = seeded_noise_levels(ctx, "gan_gen", microbatch_id, x0_hat.shape, grid, allowed)
+                    levels = seeded_noise_levels(ctx, "gan_gen", microbatch_id, x0_hat.shape, grid, gan_allowed)
                     g_gan, logits = generator_gan_gradient(ctx, x0_hat.to(ctx.device), pos_cond, *levels)
                     gan_parts.append(g_gan.cpu())
                     logit_parts.append(logits.cpu())
