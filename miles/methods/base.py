@@ -97,9 +97,10 @@ class Method:
         """Extra images this method draws at each evaluation, ``{wandb key: PNG path}`` (DMD2: its debug grid)."""
         return {}
 
-    def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
-        """Extra keyword arguments of ``write_sampling_schedule`` an export of the student records."""
-        return {}
+    def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
+        """The ``write_sampling_schedule`` keyword arguments an export records, given the engine's schedule; None
+        keeps the source pipeline's scheduler as it is."""
+        return engine
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         """The forwards a group's train-output hook runs per rollout on one rank (``--dry-run``)."""

@@ -296,8 +296,9 @@ class DMD2Method(Method):
     def real_data(self, args: argparse.Namespace) -> str | None:
         return args.dmd2_gan_real_data if gan_enabled(args) else None
 
-    def export_schedule(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {"distilled_guidance_scale": args.dmd2_teacher_guidance_scale}
+    def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
+        """The student's few-step schedule and the teacher's CFG scale it was distilled from."""
+        return {**engine, "distilled_guidance_scale": args.dmd2_teacher_guidance_scale}
 
     def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
         """The DMD2 debug grid of ``DEBUG_SAMPLES`` fixed eval samples (tianweiy/DMD2 issue #33: to debug a

@@ -7,6 +7,7 @@ is then told to encode the negative prompt.
 """
 
 import argparse
+from typing import Any
 
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.methods.base import Method, fill_defaults, hook_path, require_teacher_consumer
@@ -32,3 +33,7 @@ class SFTMethod(Method):
 
     def validate(self, args: argparse.Namespace) -> None:
         require_teacher_consumer(args, SFT_DEFAULT_HOOKS)
+
+    def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
+        """An SFT model samples like its source (a teacher: the source's scheduler, untouched)."""
+        return None

@@ -184,7 +184,7 @@ class RayTrainGroup:
         """Push the gathered weights to the dedicated engine replicas (rank 0 sends; all ranks gather)."""
         return [actor.update_weights.remote(engines) for actor in self.actors]
 
-    def async_export_hf(self, out_dir: str, schedule: dict[str, Any]) -> list[ray.ObjectRef]:
+    def async_export_hf(self, out_dir: str, schedule: dict[str, Any] | None) -> list[ray.ObjectRef]:
         """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes)."""
         return [actor.export_hf.remote(out_dir, schedule) for actor in self.actors]
 

@@ -709,7 +709,7 @@ class FSDPTrainRayActor:
             ray.get([engine.load_weights.remote(ref) for engine in engines])
         dist.barrier()
 
-    def export_hf(self, out_dir: str, schedule: dict[str, Any]) -> str:
+    def export_hf(self, out_dir: str, schedule: dict[str, Any] | None) -> str:
         """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
 
         The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
