@@ -74,7 +74,7 @@ def test_make_generator_is_reproducible_and_seeded_by_stable_hash():
 def test_load_function_loads_real_functions():
     assert load_function("miles.utils.misc.stable_hash") is misc.stable_hash
     assert load_function("os.path.join") is os.path.join
-    assert load_function("miles.utils.arguments.parse_args").__name__ == "parse_args"
+    assert load_function("miles.driver.arguments.parse_args").__name__ == "parse_args"
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
-"""The shifted σ grid shared by the engine and the trainer (docs/architecture.md)."""
+"""``miles.utils.sampling``: the shifted σ grid shared by the engine and the trainer (docs/architecture.md)."""
 
 import pytest
 import torch
 
-from miles.utils.flow_schedule import FlowNoiseSchedule, shift_sigmas
+from miles.utils.sampling import FlowNoiseSchedule, shift_sigmas
 
 
 def test_shift3_four_steps_pins_the_design_values():
