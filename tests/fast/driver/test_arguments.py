@@ -1,4 +1,5 @@
-"""Batch, teacher and hook validation of ``parse_args``, the CLI's one-line rejections, and picklable args."""
+"""Batch and hook validation of ``parse_args`` (``miles.driver.arguments``), the CLI's one-line rejections, and
+picklable args. Each loss type's own flags and checks are tested in tests/fast/methods."""
 
 import copy
 import pickle
@@ -7,35 +8,18 @@ import sys
 
 import pytest
 
-from miles.utils.arguments import (
-    ArgumentValidationError,
+from miles.driver.arguments import (
     build_parser,
+    method_flag_dests,
     parse_args,
+    run_paths,
     set_default_diffusion_args,
     validate_args,
 )
-
-BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "3"]
-CUSTOM_HOOKS = [
-    "--custom-expand-samples-to-train-pairs-path",
-    "my_project.hooks.convert",
-    "--custom-prepare-train-batch-path",
-    "my_project.hooks.prepare",
-    "--custom-loss-function-path",
-    "my_project.hooks.loss",
-]
-
-
-def _validate(argv):
-    args = set_default_diffusion_args(build_parser().parse_args(argv))
-    validate_args(args)
-    return args
-
-
-def _rejected(argv) -> str:
-    with pytest.raises(ArgumentValidationError) as exc_info:
-        _validate(argv)
-    return str(exc_info.value)
+from miles.utils.validation import ArgumentValidationError
+from tests.support.arguments import BASE
+from tests.support.arguments import rejected as _rejected
+from tests.support.arguments import validated as _validate
 
 
 def test_batch_invariant_holds_with_the_default_global_batch():
@@ -73,21 +57,54 @@ def test_broken_batch_invariant_rejected(extra, message):
 
 
 @pytest.mark.parametrize(
-    "extra, message",
+    "extra, message, fixed",
     [
         (
             ["--rollout-batch-size", "6", "--micro-batch-size", "4"],
             "--global-batch-size 6 must be a multiple of DP size x --micro-batch-size (1 x 4 = 4)",
+            ["--rollout-batch-size", "8"],
         ),
         (
-            ["--rollout-batch-size", "6", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2"],
-            "--global-batch-size 6 must be a multiple of DP size x --micro-batch-size (4 x 1 = 4)",
+            # 4 prompts split over the 4 ranks, but 2 steps of 2 pairs leave ranks without a micro-batch.
+            ["--rollout-batch-size", "4", "--num-steps-per-rollout", "2"]
+            + ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2"],
+            "--global-batch-size 2 must be a multiple of DP size x --micro-batch-size (4 x 1 = 4)",
+            ["--rollout-batch-size", "8"],
         ),
     ],
 )
-def test_global_batch_not_divisible_by_dp_times_micro_batch_rejected(extra, message):
+def test_global_batch_not_divisible_by_dp_times_micro_batch_rejected(extra, message, fixed):
     assert message in _rejected([*BASE, *extra])
-    _validate([*BASE, *extra[:2], "--rollout-batch-size", "8"])
+    _validate([*BASE, *extra, *fixed])
+
+
+@pytest.mark.parametrize(
+    "extra, message, fixed",
+    [
+        (
+            # Every DP rank generates an equal share of the prompts, so they must split evenly.
+            ["--rollout-batch-size", "6", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2"],
+            "--rollout-batch-size 6 must be a multiple of the DP size 4 (--actor-num-nodes x "
+            "--actor-num-gpus-per-node): every rank generates an equal share of the prompts",
+            ["--rollout-batch-size", "8"],
+        ),
+        (
+            # Not enough even with more samples per prompt: the split is of prompts, not of samples.
+            ["--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--actor-num-gpus-per-node", "2"],
+            "--rollout-batch-size 3 must be a multiple of the DP size 2",
+            ["--rollout-batch-size", "2"],
+        ),
+        (
+            ["--rollout-batch-size", "6", "--actor-num-gpus-per-node", "3", "--rollout-num-gpus", "2"],
+            "--rollout-num-gpus 2 must divide the DP size 3: each engine replica generates the shards of a run of "
+            "DP ranks",
+            ["--rollout-num-gpus", "3"],
+        ),
+    ],
+)
+def test_prompts_and_engine_replicas_must_split_over_the_dp_ranks(extra, message, fixed):
+    assert message in _rejected([*BASE, *extra])
+    _validate([*BASE, *extra, *fixed])
 
 
 @pytest.mark.parametrize(
@@ -106,52 +123,6 @@ def test_non_positive_sizes_rejected(extra, message):
     assert message in _rejected(argv)
 
 
-def test_teacher_load_without_consumer_rejected():
-    message = _rejected([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/models/teacher"])
-    assert message.startswith("--teacher-load has no consumer")
-    for flag in ("--custom-prepare-train-batch-path", "--custom-loss-function-path"):
-        assert flag in message
-
-
-@pytest.mark.parametrize(
-    "flag",
-    ["--custom-prepare-train-batch-path", "--custom-loss-function-path", "--custom-train-output-function-path"],
-)
-def test_teacher_load_accepted_with_each_custom_hook_alone(flag):
-    args = _validate([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/models/teacher", flag, "my.hooks.fn"])
-    assert args.teacher_load == "/models/teacher"
-
-
-@pytest.mark.parametrize(
-    "drop, message",
-    [
-        (
-            "--custom-prepare-train-batch-path",
-            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path",
-        ),
-        (
-            "--custom-loss-function-path",
-            "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path",
-        ),
-        (
-            "--custom-expand-samples-to-train-pairs-path",
-            "--loss-type custom_loss needs --custom-expand-samples-to-train-pairs-path (the converter)",
-        ),
-    ],
-)
-def test_custom_loss_without_its_hooks_rejected(drop, message):
-    index = CUSTOM_HOOKS.index(drop)
-    hooks = CUSTOM_HOOKS[:index] + CUSTOM_HOOKS[index + 2 :]
-    assert message in _rejected([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss", *hooks])
-    args = _validate([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss", *CUSTOM_HOOKS])
-    assert args.custom_loss_function_path == "my_project.hooks.loss"
-
-
-def test_custom_loss_with_no_hooks_rejected():
-    message = _rejected([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss"])
-    assert "--loss-type custom_loss needs --custom-prepare-train-batch-path" in message
-
-
 @pytest.mark.parametrize(
     "argv, flag",
     [
@@ -168,7 +139,7 @@ def test_custom_loss_with_no_hooks_rejected():
     ],
 )
 def test_rejection_from_a_new_process_is_one_line_exit_2_no_traceback(argv, flag):
-    code = f"from miles.utils.arguments import parse_args; parse_args({argv!r})"
+    code = f"from miles.driver.arguments import parse_args; parse_args({argv!r})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
@@ -197,8 +168,6 @@ def test_deep_copy_of_parsed_args_pickles_to_the_same_bytes(argv):
 
 
 def test_save_hf_never_replaces_a_model_a_checkpoint_or_other_files(tmp_path):
-    from miles.utils.arguments import ArgumentValidationError, build_parser, set_default_diffusion_args, validate_args
-
     def check(*extra):
         argv = ["--hf-checkpoint", str(tmp_path / "init"), "--prompt-data", "p.jsonl", "--num-rollout", "1"]
         args = build_parser().parse_args([*argv, "--rollout-batch-size", "2", *extra])
@@ -218,6 +187,14 @@ def test_save_hf_never_replaces_a_model_a_checkpoint_or_other_files(tmp_path):
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text("{}")
     check("--save-hf", str(pipeline))  # an earlier export may be replaced
+    # Every trainer group's paths count: DMD2's critic loads --critic-load and saves to <save>_critic.
+    dmd2 = ["--loss-type", "dmd2", "--teacher-load", str(tmp_path / "teacher"), "--dmd2-critic-steps-per-rollout", "1"]
+    with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --hf-checkpoint"):
+        check(*dmd2, "--critic-load", str(pipeline), "--save-hf", str(pipeline))
+    with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --save"):
+        check(*dmd2, "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "ckpt_critic"))
+    with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --teacher-load"):
+        check(*dmd2, "--critic-load", str(tmp_path / "critic"), "--save-hf", str(tmp_path / "teacher"))
 
 
 @pytest.mark.parametrize(
@@ -235,98 +212,30 @@ def test_numbers_no_run_can_use_are_rejected(extra, message):
     assert message in _rejected([*BASE, "--rollout-batch-size", "4", *extra])
 
 
-def _fake_digits_pipeline(path):
-    """A pipeline directory as far as the input checks read it: model_index.json and the transformer config."""
-    (path / "transformer").mkdir(parents=True)
-    (path / "model_index.json").write_text('{"_class_name": "DigitsPipeline"}')
-    (path / "transformer" / "config.json").write_text('{"in_channels": 1, "sample_size": 8}')
-    return path
 
 
-def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
-    import json
-
-    from miles.utils.preflight import validate_inputs
-
-    pipeline = _fake_digits_pipeline(tmp_path / "pipe")
-    image = [[0] * 8 for _ in range(8)]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"p{i}", "image": image}) + "\n" for i in range(4)))
-    base = ["--hf-checkpoint", str(pipeline), "--prompt-data", str(data), "--num-rollout", "1"]
-    base += ["--rollout-batch-size", "4", "--train-only"]
-
-    def rejected(*extra, check_paths=True):
-        with pytest.raises(ArgumentValidationError) as exc_info:
-            validate_inputs(_validate([*base, *extra]), check_paths=check_paths)
-        return str(exc_info.value)
-
-    validate_inputs(_validate(base))
-    assert rejected("--hf-checkpoint", str(tmp_path / "nope")).startswith(f"--hf-checkpoint {tmp_path / 'nope'}: no")
-    corrupt = _fake_digits_pipeline(tmp_path / "corrupt")
-    (corrupt / "model_index.json").write_text('{"_class_name": ')
-    assert "model_index.json is not valid JSON" in rejected("--hf-checkpoint", str(corrupt))
-    assert rejected("--prompt-data", str(tmp_path)) == f"--prompt-data {tmp_path} is a directory; pass a JSONL file"
-    records = [{"prompt": "a", "image": image}, {"prompt": "b"}]
-    data.write_text("".join(json.dumps(record) + "\n" for record in records))
-    assert "record 2 (prompt 'b') has no image under --image-key 'image'" in rejected()
-    records[1]["image"] = [[0] * 16 for _ in range(16)]
-    data.write_text("".join(json.dumps(record) + "\n" for record in records))
-    message = rejected()
-    assert (
-        "record 2 (prompt 'b')" in message and "latent of shape (1, 16, 16) but the model takes (1, 8, 8)" in message
-    )
-    records[1]["image"] = [[300] * 8 for _ in range(8)]
-    data.write_text("".join(json.dumps(record) + "\n" for record in records))
-    assert "record 2 (prompt 'b'): image values must be in 0..255" in rejected()
-    data.write_text(json.dumps({"prompt": "a", "image": image}) + "\n")
-    missing = str(tmp_path / "eval.jsonl")
-    assert rejected("--eval-interval", "1", "--eval-prompt-data", missing).startswith("--eval-prompt-data")
-    # Hooks and --load are checked in a dry run too; the data paths are not (they may live on the cluster).
-    hook = rejected("--eval-function-path", "miles.utils.misc.no_such_hook", check_paths=False)
-    assert hook.startswith("--eval-function-path: hook path 'miles.utils.misc.no_such_hook'")
-    assert "no attribute 'no_such_hook'" in hook
-    assert "is a str, not a callable" in rejected("--custom-loss-function-path", "miles.utils.arguments.SFT_LOSS")
-    assert rejected("--load", str(tmp_path / "ckpt"), check_paths=False).startswith(f"--load {tmp_path / 'ckpt'}")
-    validate_inputs(_validate([*base, "--hf-checkpoint", str(tmp_path / "nope")]), check_paths=False)
-
-
-def _fake_checkpoint(save_dir, *rollout_ids):
-    """A checkpoint directory as far as ``read_data_state`` checks it: ``latest`` names the last of ``rollout_ids``."""
-    import json
-
-    for rollout_id in rollout_ids:
-        (save_dir / f"rollout_{rollout_id}" / "dcp").mkdir(parents=True)
-        (save_dir / f"rollout_{rollout_id}" / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id}))
-        (save_dir / f"rollout_{rollout_id}" / "dcp" / ".metadata").write_text("")
-    (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
-
-
-def test_dmd2_load_needs_the_critic_checkpoint_of_the_same_rollout(tmp_path):
-    from miles.utils.preflight import validate_inputs
-
-    argv = [*BASE, "--rollout-batch-size", "4", "--loss-type", "dmd2", "--teacher-load", "/models/teacher"]
-    argv += ["--dmd2-critic-steps-per-rollout", "1", "--load", str(tmp_path / "ckpt")]
-    _fake_checkpoint(tmp_path / "ckpt", 1)
-    with pytest.raises(ArgumentValidationError, match="also loads the critic's checkpoint: .*ckpt_critic: no such"):
-        validate_inputs(_validate(argv), check_paths=False)
-    # The critic saves first: a crash before the actor's save leaves the critic one save ahead.
-    _fake_checkpoint(tmp_path / "ckpt_critic", 1, 3)
-    with pytest.raises(ArgumentValidationError) as exc_info:
-        validate_inputs(_validate(argv), check_paths=False)
-    message = str(exc_info.value)
-    expected = (
-        f"--load {tmp_path / 'ckpt'} holds rollout 1 but the critic's {tmp_path / 'ckpt_critic'} holds rollout 3"
-    )
-    assert message.startswith(expected), message
-    assert "write 1 into the newer one's 'latest' file" in message
-    (tmp_path / "ckpt_critic" / "latest").write_text("1\n")  # the fix the message asks for
-    validate_inputs(_validate(argv), check_paths=False)
-
-
-def test_flow_shift_must_be_positive_and_uncond_dropout_is_sft_only():
+def test_flow_shift_must_be_positive():
     assert "--fsdp-flow-shift must be > 0" in _rejected(
         [*BASE, "--rollout-batch-size", "2", "--fsdp-flow-shift", "-1"]
     )
-    dmd2 = ["--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "5"]
-    assert "--sft-uncond-prob" in _rejected([*BASE, *dmd2, "--sft-uncond-prob", "0.1"])
-    assert _validate([*BASE, "--rollout-batch-size", "2", "--sft-uncond-prob", "0.1"]).sft_uncond_prob == 0.1
+
+
+def test_every_method_flag_is_owned_by_one_loss_type_and_run_paths_cover_every_group():
+    owned = method_flag_dests()
+    assert set(owned) == {"sft_loss", "dmd2", "custom_loss"}
+    assert owned["sft_loss"] == owned["custom_loss"] == set()
+    assert {"critic_load", "critic_lr", "dmd2_critic_steps_per_rollout", "dmd2_teacher_guidance_scale"} <= owned["dmd2"]
+    parser_dests = {action.dest for action in build_parser()._actions}
+    assert owned["dmd2"] <= parser_dests
+    args = parse_args(
+        [*BASE, "--rollout-batch-size", "2", "--loss-type", "dmd2", "--teacher-load", "/models/teacher"]
+        + ["--dmd2-critic-steps-per-rollout", "1", "--save", "/ckpt/run", "--output-dir", "/runs/a"]
+    )
+    assert run_paths(args) == [
+        ("the critic group's --hf-checkpoint", "/models/teacher"),
+        ("the critic group's --teacher-load", "/models/teacher"),
+        ("the critic group's --save", "/ckpt/run_critic"),
+        ("--hf-checkpoint", "/models/student"),
+        ("--save", "/ckpt/run"),
+        ("--output-dir", "/runs/a"),
+    ]

@@ -1,16 +1,17 @@
-"""``--loss-type dmd2`` validation and defaults (seeds [DMD2 4/7] and [DMD2 5/7])."""
+"""``--loss-type dmd2`` (``miles.methods.dmd2``): its flags, defaults, validation and trainer groups (seeds
+[DMD2 1/10], [DMD2 4/7] and [DMD2 5/7])."""
 
+import argparse
 import copy
 
 import pytest
 
-from miles.utils.arguments import (
-    ArgumentValidationError,
-    build_parser,
-    parse_args,
-    set_default_diffusion_args,
-    validate_args,
-)
+from miles.driver.arguments import build_parser, parse_args, set_default_diffusion_args, validate_args
+from miles.driver.export import export_schedule
+from miles.methods import compute_trainer_configs, get_method
+from miles.methods.dmd2 import DMD2_ACTOR_HOOKS, DMD2_CRITIC_HOOKS, DMD2Method, validate_dmd2_args
+from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
+from miles.utils.validation import ArgumentValidationError
 
 BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "3"]
 # 10 pairs per rollout on one DP rank: K = 5 critic steps of 2 pairs each.
@@ -20,6 +21,11 @@ DMD2_CONVERTER = "miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pai
 DMD2_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch"
 DMD2_LOSS = "miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula"
 STOP_AT_RANDOM_STEP = "miles.rollout.step_strategy_hub.stop_at_random_step"
+CRITIC_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch"
+CRITIC_SCORING = "miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0"
+SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
+# The critic-group tests also resume and save: the critic's directories are the <dir>_critic siblings.
+DMD2_RUN = [*DMD2, "--lr", "2e-6", "--load", "/ckpt/run", "--save", "/ckpt/run/", "--diffusion-timesteps", "1000,750,500,250"]
 
 
 def _parsed_with_defaults(argv):
@@ -78,6 +84,19 @@ def test_dmd2_fills_converter_prepare_loss_and_step_strategy():
     assert args.custom_prepare_train_batch_path == DMD2_PREPARE
     assert args.custom_loss_function_path == DMD2_LOSS
     assert args.diffusion_step_strategy_path == STOP_AT_RANDOM_STEP
+    # The method module references the built-in hooks by import; their dotted paths are the ones above.
+    assert DMD2_ACTOR_HOOKS == {
+        "custom_expand_samples_to_train_pairs_path": DMD2_CONVERTER,
+        "custom_prepare_train_batch_path": DMD2_PREPARE,
+        "custom_loss_function_path": DMD2_LOSS,
+        "diffusion_step_strategy_path": STOP_AT_RANDOM_STEP,
+    }
+    assert DMD2_CRITIC_HOOKS == {
+        "custom_prepare_train_batch_path": CRITIC_PREPARE,
+        "custom_loss_function_path": SFT_LOSS,
+        "custom_train_output_function_path": CRITIC_SCORING,
+    }
+    assert isinstance(get_method(args), DMD2Method)
     # The critic's hooks are its trainer overrides, not args of the run.
     assert args.custom_train_output_function_path is None
     assert args.global_batch_size == 10 and args.train_output_before_step is None
@@ -106,20 +125,6 @@ def test_dmd2_never_fills_over_a_user_path(flag, dest):
             assert getattr(args, other) == path
 
 
-def test_sft_loss_fills_its_hooks_and_no_step_strategy():
-    args = parse_args([*BASE, "--rollout-batch-size", "4"])
-    assert args.custom_expand_samples_to_train_pairs_path == (
-        "miles.ray.data_conversion_hub.sft.expand_samples_to_train_pairs"
-    )
-    assert args.custom_prepare_train_batch_path == "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
-    assert args.custom_loss_function_path == "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
-    assert args.diffusion_step_strategy_path is None
-    assert args.critic_load is None and args.critic_lr is None
-    own = parse_args([*BASE, "--rollout-batch-size", "4", "--custom-loss-function-path", "my_project.hooks.loss"])
-    assert own.custom_loss_function_path == "my_project.hooks.loss"
-    assert own.custom_prepare_train_batch_path == "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch"
-
-
 def test_critic_load_and_lr_default_to_teacher_load_and_lr():
     args = parse_args([*DMD2, "--lr", "2e-6"])
     assert (args.critic_load, args.critic_lr) == ("/models/teacher", 2e-6)
@@ -128,9 +133,21 @@ def test_critic_load_and_lr_default_to_teacher_load_and_lr():
     assert args.teacher_load == "/models/teacher" and args.lr == 2e-6
 
 
-@pytest.mark.parametrize("extra", [["--critic-load", "/models/critic_init"], ["--critic-lr", "8e-6"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--critic-load", "/models/critic_init"],
+        ["--critic-lr", "8e-6"],
+        # Every flag of the method is rejected the same way, not only the critic's (miles.driver.arguments).
+        ["--dmd2-critic-steps-per-rollout", "2"],
+        ["--dmd2-teacher-guidance-scale", "3"],
+        ["--dmd2-critic-scoring", "original"],
+        ["--dmd2-min-timestep-ratio", "0.1"],
+        ["--dmd2-max-timestep-ratio", "0.9"],
+    ],
+)
 @pytest.mark.parametrize("loss_type", ["sft_loss", "custom_loss"])
-def test_critic_flags_rejected_without_dmd2(extra, loss_type, capsys):
+def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
     hooks = ["--custom-expand-samples-to-train-pairs-path", "m.c", "--custom-prepare-train-batch-path", "m.p"]
     hooks += ["--custom-loss-function-path", "m.l"]
     argv = [*BASE, "--rollout-batch-size", "4", "--loss-type", loss_type, *hooks, *extra]
@@ -149,8 +166,9 @@ def test_critic_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--dmd2-teacher-guidance-scale", "0.5"],
             "--dmd2-teacher-guidance-scale must be >= 1 (1 = no CFG), got 0.5",
         ),
-        ([*DMD2, "--fsdp-flow-shift", "0"], "needs a visual --fsdp-flow-shift > 0 (e.g. 3.0), got 0.0"),
-        ([*DMD2, "--fsdp-flow-shift", "-3"], "needs a visual --fsdp-flow-shift > 0 (e.g. 3.0), got -3.0"),
+        # The generic check of every loss type (miles.driver.arguments), no longer a DMD2 message of its own.
+        ([*DMD2, "--fsdp-flow-shift", "0"], "--fsdp-flow-shift must be > 0 (e.g. 3.0), got 0.0"),
+        ([*DMD2, "--fsdp-flow-shift", "-3"], "--fsdp-flow-shift must be > 0 (e.g. 3.0), got -3.0"),
         (
             [*DMD2, "--diffusion-guidance-scale", "4.5"],
             "--loss-type dmd2 needs unguided student rollouts: set --diffusion-guidance-scale 1 (got 4.5)",
@@ -159,7 +177,7 @@ def test_critic_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--num-steps-per-rollout", "2", "--global-batch-size", "5"],
             "--loss-type dmd2 takes one actor step per rollout: set --num-steps-per-rollout 1 (got 2)",
         ),
-        ([*DMD2, "--train-only"], "--train-only has no rollout engine, which --loss-type dmd2 needs"),
+        ([*DMD2, "--train-only"], "--train-only has no rollouts, which --loss-type dmd2 trains on: remove --train-only"),
         ([*DMD2, "--dmd2-critic-steps-per-rollout", "0"], "--dmd2-critic-steps-per-rollout must be >= 1, got 0"),
         (
             [*DMD2, "--dmd2-critic-steps-per-rollout", "3"],
@@ -207,3 +225,96 @@ def test_unsupported_dmd2_combination_rejected(argv, message, capsys):
     assert message in str(exc_info.value)
     assert "\n" not in str(exc_info.value)
     assert message in _rejection(argv, capsys)
+
+
+def test_validate_dmd2_args_is_the_methods_validator():
+    """The seed's name stays: ``validate_dmd2_args`` is what ``--loss-type dmd2`` runs after the generic checks."""
+    validate_dmd2_args(parse_args(DMD2))
+    args = _parsed_with_defaults([*DMD2, "--dmd2-critic-steps-per-rollout", "3"])
+    with pytest.raises(ArgumentValidationError, match="--dmd2-critic-steps-per-rollout 3 must split"):
+        validate_dmd2_args(args)
+    with pytest.raises(ArgumentValidationError, match="--dmd2-critic-steps-per-rollout 3 must split"):
+        get_method(args).validate(args)
+
+
+@pytest.mark.parametrize("scale, encode", [("1", False), ("1.5", True), ("4.5", True)])
+def test_teacher_cfg_asks_the_engine_for_the_negative_cond(scale, encode):
+    """The student samples unguided, but the teacher's CFG in scoring needs every sample's negative cond: the method
+    sets ``--encode-negative-prompt`` (the engine no longer reads ``--loss-type``)."""
+    args = parse_args([*DMD2, "--dmd2-teacher-guidance-scale", scale])
+    assert args.encode_negative_prompt is encode and args.diffusion_guidance_scale == 1.0
+    assert parse_args([*DMD2, "--encode-negative-prompt"]).encode_negative_prompt is True
+
+
+def test_export_records_the_teacher_scale_it_was_distilled_from():
+    args = parse_args([*DMD2, "--dmd2-teacher-guidance-scale", "4.5", "--diffusion-timesteps", "1000,500"])
+    assert export_schedule(args) == {
+        "num_steps": 2,
+        "shift": 3.0,
+        "step_rule": "dmd2",
+        "timesteps": [1000.0, 500.0],
+        "guidance_scale": 1.0,
+        "distilled_guidance_scale": 4.5,
+    }
+
+
+# -- trainer groups --------------------------------------------------------------------------------------------------
+def _diff(before: argparse.Namespace, after: argparse.Namespace) -> dict:
+    """name → (before, after) for every attribute that differs (or exists on one side only)."""
+    old, new = vars(before), vars(after)
+    return {name: (old.get(name), new.get(name)) for name in old.keys() | new.keys() if old.get(name) != new.get(name)}
+
+
+def test_dmd2_critic_first_from_critic_load_at_critic_lr():
+    args = parse_args([*DMD2_RUN, "--critic-load", "/models/critic_init", "--critic-lr", "8e-6"])
+    snapshot = copy.deepcopy(vars(args))
+    configs = compute_trainer_configs(args)
+    assert [config.role for config in configs] == ["critic", "actor"]
+    critic_args = compute_trainer_args(args, configs[0])
+    assert _diff(args, critic_args) == {
+        "hf_checkpoint": ("/models/student", "/models/critic_init"),
+        "lr": (2e-6, 8e-6),
+        "load": ("/ckpt/run", "/ckpt/run_critic"),
+        "save": ("/ckpt/run/", "/ckpt/run_critic"),
+        "num_steps_per_rollout": (1, 5),
+        "global_batch_size": (10, 2),
+        "custom_prepare_train_batch_path": (
+            "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch",
+            CRITIC_PREPARE,
+        ),
+        "custom_loss_function_path": ("miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula", SFT_LOSS),
+        "custom_train_output_function_path": (None, CRITIC_SCORING),
+    }
+    assert critic_args.teacher_load == "/models/teacher"
+    assert critic_args.train_output_before_step is None
+    # The critic's K steps cover the same DP shard as the actor's one step.
+    assert critic_args.global_batch_size * critic_args.num_steps_per_rollout == args.global_batch_size
+    assert vars(args) == snapshot
+
+
+def test_dmd2_critic_defaults_to_teacher_and_actor_lr_without_checkpoint_dirs():
+    argv = [*BASE, "--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "6"]
+    args = parse_args([*argv, "--dmd2-critic-steps-per-rollout", "3"])
+    critic_args = compute_trainer_args(args, compute_trainer_configs(args)[0])
+    assert critic_args.hf_checkpoint == "/models/teacher"
+    assert critic_args.lr == args.lr == 1e-5
+    assert critic_args.load is None and critic_args.save is None
+    assert (critic_args.num_steps_per_rollout, critic_args.global_batch_size) == (3, 2)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 10])
+def test_dmd2_critic_scoring_original_scores_before_the_last_critic_step(k):
+    args = parse_args([*DMD2_RUN, "--dmd2-critic-steps-per-rollout", str(k), "--dmd2-critic-scoring", "original"])
+    critic_args = compute_trainer_args(args, compute_trainer_configs(args)[0])
+    assert critic_args.num_steps_per_rollout == k
+    assert critic_args.train_output_before_step == k - 1
+
+
+def test_dmd2_actor_copy_differs_only_by_dropping_the_teacher():
+    args = parse_args(DMD2_RUN)
+    snapshot = copy.deepcopy(vars(args))
+    actor = compute_trainer_configs(args)[1]
+    assert actor == TrainerConfig("actor", {"teacher_load": None})
+    actor_args = compute_trainer_args(args, actor)
+    assert _diff(args, actor_args) == {"teacher_load": ("/models/teacher", None)}
+    assert vars(args) == snapshot

@@ -1,0 +1,90 @@
+"""Checks that open the files and hook modules a command names, before Ray starts (``miles.driver.preflight``)."""
+
+import json
+
+import pytest
+
+from miles.driver.preflight import validate_inputs
+from miles.utils.validation import ArgumentValidationError
+from tests.support.arguments import BASE
+from tests.support.arguments import validated as _validate
+
+
+def _fake_digits_pipeline(path):
+    """A pipeline directory as far as the input checks read it: model_index.json and the transformer config."""
+    (path / "transformer").mkdir(parents=True)
+    (path / "model_index.json").write_text('{"_class_name": "DigitsPipeline"}')
+    (path / "transformer" / "config.json").write_text('{"in_channels": 1, "sample_size": 8}')
+    return path
+
+
+def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
+    pipeline = _fake_digits_pipeline(tmp_path / "pipe")
+    image = [[0] * 8 for _ in range(8)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "image": image}) + "\n" for i in range(4)))
+    base = ["--hf-checkpoint", str(pipeline), "--prompt-data", str(data), "--num-rollout", "1"]
+    base += ["--rollout-batch-size", "4", "--train-only"]
+
+    def rejected(*extra, check_paths=True):
+        with pytest.raises(ArgumentValidationError) as exc_info:
+            validate_inputs(_validate([*base, *extra]), check_paths=check_paths)
+        return str(exc_info.value)
+
+    validate_inputs(_validate(base))
+    assert rejected("--hf-checkpoint", str(tmp_path / "nope")).startswith(f"--hf-checkpoint {tmp_path / 'nope'}: no")
+    corrupt = _fake_digits_pipeline(tmp_path / "corrupt")
+    (corrupt / "model_index.json").write_text('{"_class_name": ')
+    assert "model_index.json is not valid JSON" in rejected("--hf-checkpoint", str(corrupt))
+    assert rejected("--prompt-data", str(tmp_path)) == f"--prompt-data {tmp_path} is a directory; pass a JSONL file"
+    records = [{"prompt": "a", "image": image}, {"prompt": "b"}]
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert "record 2 (prompt 'b') has no image under --image-key 'image'" in rejected()
+    records[1]["image"] = [[0] * 16 for _ in range(16)]
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    message = rejected()
+    assert (
+        "record 2 (prompt 'b')" in message and "latent of shape (1, 16, 16) but the model takes (1, 8, 8)" in message
+    )
+    records[1]["image"] = [[300] * 8 for _ in range(8)]
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert "record 2 (prompt 'b'): image values must be in 0..255" in rejected()
+    data.write_text(json.dumps({"prompt": "a", "image": image}) + "\n")
+    missing = str(tmp_path / "eval.jsonl")
+    assert rejected("--eval-interval", "1", "--eval-prompt-data", missing).startswith("--eval-prompt-data")
+    # Hooks and --load are checked in a dry run too; the data paths are not (they may live on the cluster).
+    hook = rejected("--eval-function-path", "miles.utils.misc.no_such_hook", check_paths=False)
+    assert hook.startswith("--eval-function-path: hook path 'miles.utils.misc.no_such_hook'")
+    assert "no attribute 'no_such_hook'" in hook
+    assert "is a dict, not a callable" in rejected("--custom-loss-function-path", "miles.methods.sft.SFT_DEFAULT_HOOKS")
+    assert rejected("--load", str(tmp_path / "ckpt"), check_paths=False).startswith(f"--load {tmp_path / 'ckpt'}")
+    validate_inputs(_validate([*base, "--hf-checkpoint", str(tmp_path / "nope")]), check_paths=False)
+
+
+def _fake_checkpoint(save_dir, *rollout_ids):
+    """A checkpoint directory as far as ``read_data_state`` checks it: ``latest`` names the last of ``rollout_ids``."""
+    for rollout_id in rollout_ids:
+        (save_dir / f"rollout_{rollout_id}" / "dcp").mkdir(parents=True)
+        (save_dir / f"rollout_{rollout_id}" / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id}))
+        (save_dir / f"rollout_{rollout_id}" / "dcp" / ".metadata").write_text("")
+    (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
+
+
+def test_dmd2_load_needs_the_critic_checkpoint_of_the_same_rollout(tmp_path):
+    argv = [*BASE, "--rollout-batch-size", "4", "--loss-type", "dmd2", "--teacher-load", "/models/teacher"]
+    argv += ["--dmd2-critic-steps-per-rollout", "1", "--load", str(tmp_path / "ckpt")]
+    _fake_checkpoint(tmp_path / "ckpt", 1)
+    with pytest.raises(ArgumentValidationError, match="also loads the critic group's checkpoint: .*ckpt_critic: no such"):
+        validate_inputs(_validate(argv), check_paths=False)
+    # The critic saves first: a crash before the actor's save leaves the critic one save ahead.
+    _fake_checkpoint(tmp_path / "ckpt_critic", 1, 3)
+    with pytest.raises(ArgumentValidationError) as exc_info:
+        validate_inputs(_validate(argv), check_paths=False)
+    message = str(exc_info.value)
+    expected = (
+        f"--load {tmp_path / 'ckpt'} holds rollout 1 but the critic group's {tmp_path / 'ckpt_critic'} holds rollout 3"
+    )
+    assert message.startswith(expected), message
+    assert "write 1 into the newer one's 'latest' file" in message
+    (tmp_path / "ckpt_critic" / "latest").write_text("1\n")  # the fix the message asks for
+    validate_inputs(_validate(argv), check_paths=False)
