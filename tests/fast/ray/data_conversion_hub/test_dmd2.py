@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.ray.data_conversion_hub.dmd2 import expand_samples_to_train_pairs
-from miles.utils.flow_schedule import FlowNoiseSchedule
+from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.types import DenoisingEnv, DiTTrajectory, Sample
 
 C, H, W = 1, 8, 8
