@@ -212,8 +212,6 @@ def test_numbers_no_run_can_use_are_rejected(extra, message):
     assert message in _rejected([*BASE, "--rollout-batch-size", "4", *extra])
 
 
-
-
 def test_flow_shift_must_be_positive():
     assert "--fsdp-flow-shift must be > 0" in _rejected(
         [*BASE, "--rollout-batch-size", "2", "--fsdp-flow-shift", "-1"]
@@ -224,7 +222,9 @@ def test_every_method_flag_is_owned_by_one_loss_type_and_run_paths_cover_every_g
     owned = method_flag_dests()
     assert set(owned) == {"sft_loss", "dmd2", "custom_loss"}
     assert owned["sft_loss"] == owned["custom_loss"] == set()
-    assert {"critic_load", "critic_lr", "dmd2_critic_steps_per_rollout", "dmd2_teacher_guidance_scale"} <= owned["dmd2"]
+    assert {"critic_load", "critic_lr", "dmd2_critic_steps_per_rollout", "dmd2_teacher_guidance_scale"} <= owned[
+        "dmd2"
+    ]
     parser_dests = {action.dest for action in build_parser()._actions}
     assert owned["dmd2"] <= parser_dests
     args = parse_args(

@@ -56,7 +56,9 @@ def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
     hook = rejected("--eval-function-path", "miles.utils.misc.no_such_hook", check_paths=False)
     assert hook.startswith("--eval-function-path: hook path 'miles.utils.misc.no_such_hook'")
     assert "no attribute 'no_such_hook'" in hook
-    assert "is a dict, not a callable" in rejected("--custom-loss-function-path", "miles.methods.sft.SFT_DEFAULT_HOOKS")
+    assert "is a dict, not a callable" in rejected(
+        "--custom-loss-function-path", "miles.methods.sft.SFT_DEFAULT_HOOKS"
+    )
     assert rejected("--load", str(tmp_path / "ckpt"), check_paths=False).startswith(f"--load {tmp_path / 'ckpt'}")
     validate_inputs(_validate([*base, "--hf-checkpoint", str(tmp_path / "nope")]), check_paths=False)
 
@@ -74,7 +76,9 @@ def test_dmd2_load_needs_the_critic_checkpoint_of_the_same_rollout(tmp_path):
     argv = [*BASE, "--rollout-batch-size", "4", "--loss-type", "dmd2", "--teacher-load", "/models/teacher"]
     argv += ["--dmd2-critic-steps-per-rollout", "1", "--load", str(tmp_path / "ckpt")]
     _fake_checkpoint(tmp_path / "ckpt", 1)
-    with pytest.raises(ArgumentValidationError, match="also loads the critic group's checkpoint: .*ckpt_critic: no such"):
+    with pytest.raises(
+        ArgumentValidationError, match="also loads the critic group's checkpoint: .*ckpt_critic: no such"
+    ):
         validate_inputs(_validate(argv), check_paths=False)
     # The critic saves first: a crash before the actor's save leaves the critic one save ahead.
     _fake_checkpoint(tmp_path / "ckpt_critic", 1, 3)

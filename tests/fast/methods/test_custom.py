@@ -6,6 +6,7 @@ from tests.support.arguments import BASE, CUSTOM_HOOKS
 from tests.support.arguments import rejected as _rejected
 from tests.support.arguments import validated as _validate
 
+
 @pytest.mark.parametrize(
     "drop, message",
     [
@@ -37,8 +38,6 @@ def test_custom_loss_with_no_hooks_rejected():
     assert "--loss-type custom_loss needs --custom-expand-samples-to-train-pairs-path (the converter)" in message
     message = _rejected([*BASE, "--rollout-batch-size", "4", "--loss-type", "custom_loss", *CUSTOM_HOOKS[:2]])
     assert "--loss-type custom_loss needs --custom-prepare-train-batch-path" in message
-
-
 
 
 def test_custom_loss_fills_nothing():

@@ -25,7 +25,17 @@ CRITIC_PREPARE = "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch"
 CRITIC_SCORING = "miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0"
 SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
 # The critic-group tests also resume and save: the critic's directories are the <dir>_critic siblings.
-DMD2_RUN = [*DMD2, "--lr", "2e-6", "--load", "/ckpt/run", "--save", "/ckpt/run/", "--diffusion-timesteps", "1000,750,500,250"]
+DMD2_RUN = [
+    *DMD2,
+    "--lr",
+    "2e-6",
+    "--load",
+    "/ckpt/run",
+    "--save",
+    "/ckpt/run/",
+    "--diffusion-timesteps",
+    "1000,750,500,250",
+]
 
 
 def _parsed_with_defaults(argv):
@@ -177,7 +187,10 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--num-steps-per-rollout", "2", "--global-batch-size", "5"],
             "--loss-type dmd2 takes one actor step per rollout: set --num-steps-per-rollout 1 (got 2)",
         ),
-        ([*DMD2, "--train-only"], "--train-only has no rollouts, which --loss-type dmd2 trains on: remove --train-only"),
+        (
+            [*DMD2, "--train-only"],
+            "--train-only has no rollouts, which --loss-type dmd2 trains on: remove --train-only",
+        ),
         ([*DMD2, "--dmd2-critic-steps-per-rollout", "0"], "--dmd2-critic-steps-per-rollout must be >= 1, got 0"),
         (
             [*DMD2, "--dmd2-critic-steps-per-rollout", "3"],

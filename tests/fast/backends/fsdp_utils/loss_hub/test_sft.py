@@ -8,8 +8,8 @@ from torch import nn
 
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
-from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.misc import make_generator
+from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.types import TrainPair
 
 C, H, W, L, D, P = 2, 4, 4, 3, 5, 6
