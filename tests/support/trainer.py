@@ -115,24 +115,31 @@ def drop_pairs_on_rank1(ctx, train_pairs):
 
 
 @contextmanager
-def single_process_group():
-    """A 1-rank gloo process group and ``"cpu"`` device mesh in this process (FSDP2 and DCP need one)."""
+def single_process_group(backend: str = "gloo", device_type: str = "cpu"):
+    """A 1-rank process group (gloo) and device mesh (``"cpu"``) in this process (FSDP2 and DCP need one)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        yield init_device_mesh(device_type, (1,), mesh_dim_names=("dp",))
     finally:
         dist.destroy_process_group()
 
 
-def sharded_denoiser(family, pipeline: Path, mesh, trainable: bool = True):
-    """The pipeline's denoiser, fully_shard-ed per block and root like the trainer does it."""
-    from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser
+def sharded_denoiser(family, pipeline: Path, mesh, trainable: bool = True, shard: bool = True):
+    """The pipeline's denoiser as the trainer loads it, ``fully_shard``-ed per block and root.
+
+    The trainer leaves a 1-rank model unwrapped; ``shard=True`` (default) shards it anyway, as every rank of a
+    multi-rank group is, so the 1-rank tests exercise FSDP2 and DCP. ``shard=False`` gives the plain module of a
+    DP-1 run."""
+    from miles.backends.fsdp_utils.model import is_sharded, load_frozen_denoiser, load_trainable_denoiser, shard_model
 
     load = load_trainable_denoiser if trainable else load_frozen_denoiser
-    return load(family, str(pipeline), mesh, torch.device("cpu"), torch.float32)
+    model = load(family, str(pipeline), mesh, torch.device("cpu"), torch.float32)
+    if shard and not is_sharded(model):
+        shard_model(model, family.blocks(model), mesh, torch.float32 if trainable else None)
+    return model
 
 
 def denoiser_loss(family, model, seed: int) -> torch.Tensor:

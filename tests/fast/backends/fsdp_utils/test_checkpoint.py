@@ -1,23 +1,21 @@
-"""DCP checkpoints of a sharded digits denoiser: round trip, atomic layout, latest pointer, clear errors."""
+"""DCP checkpoints of a digits denoiser, sharded (every rank of a multi-rank group) or plain (a DP-1 run): round trip,
+atomic layout, latest pointer, clear errors."""
 
 import json
 import random
 import shutil
-import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from trainer_support import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group  # noqa: E402
-
-from miles.backends.fsdp_utils import checkpoint  # noqa: E402
-from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
-from miles.models import get_model_family  # noqa: E402
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.model import is_sharded
+from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.models import get_model_family
+from tests.support.trainer import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group
 
 OPT_ARGS = SimpleNamespace(
     lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
@@ -32,8 +30,8 @@ def setup(tmp_path_factory):
         yield SimpleNamespace(pipeline=pipeline, family=get_model_family(pipeline), mesh=mesh)
 
 
-def _trainer(setup, steps: int):
-    model = sharded_denoiser(setup.family, setup.pipeline, setup.mesh)
+def _trainer(setup, steps: int, shard: bool = True):
+    model = sharded_denoiser(setup.family, setup.pipeline, setup.mesh, shard=shard)
     optimizer = build_optimizer([model], OPT_ARGS)
     scheduler = build_lr_scheduler(optimizer, OPT_ARGS, total_steps=10)
     for step in range(steps):
@@ -45,11 +43,15 @@ def _trainer(setup, steps: int):
 
 
 def _local(model):
-    return {name: p.detach().to_local().clone() for name, p in model.named_parameters()}
+    return {
+        name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()
+    }
 
 
-def test_round_trip_restores_model_optimizer_scheduler_rng(setup, tmp_path):
-    model, optimizer, scheduler = _trainer(setup, steps=3)
+@pytest.mark.parametrize("shard", [True, False], ids=["fsdp2", "plain"])
+def test_round_trip_restores_model_optimizer_scheduler_rng(setup, tmp_path, shard):
+    model, optimizer, scheduler = _trainer(setup, steps=3, shard=shard)
+    assert is_sharded(model) is shard
     path = checkpoint.save_checkpoint(tmp_path, 4, model, optimizer, scheduler, role="critic", data_state={"epoch": 2})
 
     assert path == tmp_path / "rollout_4"
@@ -60,7 +62,7 @@ def test_round_trip_restores_model_optimizer_scheduler_rng(setup, tmp_path):
     assert not list(tmp_path.glob(".tmp*"))
     assert checkpoint.read_data_state(tmp_path) == (4, {"epoch": 2})
 
-    fresh_model, fresh_opt, fresh_sched = _trainer(setup, steps=0)
+    fresh_model, fresh_opt, fresh_sched = _trainer(setup, steps=0, shard=shard)
     assert checkpoint.load_checkpoint(tmp_path, fresh_model, fresh_opt, fresh_sched) == 4
     for name, value in _local(model).items():
         assert torch.equal(_local(fresh_model)[name], value), name

@@ -1,35 +1,41 @@
-"""Sleep / wake of FSDP2 models and AdamW state on CPU: the state machine runs and leaves every value intact."""
+"""Sleep / wake of FSDP2 models and AdamW state: the state machine runs and leaves every value intact.
 
-import sys
-from pathlib import Path
+On the CPU there is nowhere to move to, so the transitions only flip the state; the move itself (shards and optimizer
+state to the CPU and back) runs only where CUDA is (``test_sleep_moves_shards_off_the_gpu_and_back``).
+"""
+
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from trainer_support import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group  # noqa: E402
-
-from miles.backends.fsdp_utils.optimizer import build_optimizer  # noqa: E402
-from miles.backends.fsdp_utils.sleep import ASLEEP, AWAKE, SleepController  # noqa: E402
-from miles.models import get_model_family  # noqa: E402
+from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
+from miles.backends.fsdp_utils.optimizer import build_optimizer
+from miles.backends.fsdp_utils.sleep import ASLEEP, AWAKE, SleepController
+from miles.models import get_model_family
+from tests.support.trainer import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group
 
 OPT_ARGS = SimpleNamespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    pipeline = make_pipeline(tmp_path_factory.mktemp("digits"))
+def pipeline(tmp_path_factory):
+    return make_pipeline(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture
+def setup(pipeline):
+    # Per test: the CUDA test below opens an NCCL group of its own, and a process has one default group.
     with single_process_group() as mesh:
         yield SimpleNamespace(pipeline=pipeline, family=get_model_family(pipeline), mesh=mesh)
 
 
 def _snapshot(model, optimizer):
-    params = {name: p.detach().to_local().clone() for name, p in model.named_parameters()}
+    # On the CPU, so that a snapshot taken on the GPU compares with one taken asleep.
+    params = {name: p.detach().to_local().cpu().clone() for name, p in model.named_parameters()}
     state = {
-        (name, key): (value.to_local() if isinstance(value, DTensor) else value).clone()
+        (name, key): (value.to_local() if isinstance(value, DTensor) else value).cpu().clone()
         for name, p in model.named_parameters()
         for key, value in optimizer.state[p].items()
     }
@@ -76,7 +82,7 @@ def test_sleep_wake_keeps_parameters_and_optimizer_state_bit_identical(setup):
     _assert_same(_snapshot(twin, twin_opt), _snapshot(model, optimizer))
 
 
-def test_awake_context_restores_sleep_and_reshards_frozen_roots(setup):
+def test_awake_context_restores_sleep_and_leaves_cpu_models_in_place(setup):
     teacher = sharded_denoiser(setup.family, setup.pipeline, setup.mesh, trainable=False)
     assert not any(p.requires_grad for p in teacher.parameters())
     controller = SleepController([teacher], None, torch.device("cpu"))
@@ -88,9 +94,48 @@ def test_awake_context_restores_sleep_and_reshards_frozen_roots(setup):
         # FSDP2 keeps a root unsharded after a forward without backward: its parameters are plain tensors now.
         assert not all(isinstance(p, DTensor) for p in teacher.parameters())
     assert controller.state == ASLEEP
-    # Sleeping resharded the root first, so only shards were moved.
+    # Training on the CPU, sleep moves nothing (it used to reshard and copy CPU to CPU): the root stays gathered
+    # until the trainer reshards it after the hook (FSDPTrainRayActor._reshard_all).
+    assert not all(isinstance(p, DTensor) for p in teacher.parameters())
+    reshard(teacher)
     assert all(isinstance(p, DTensor) for p in teacher.parameters())
     controller.wake_up()
     with controller.awake():
         pass
     assert controller.state == AWAKE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moving to the CPU and back needs a CUDA device")
+def test_sleep_moves_shards_off_the_gpu_and_back(pipeline):
+    """On CUDA: sleep reshards a gathered frozen root first, moves parameters and AdamW state to the CPU (values
+    intact), and wake brings them back."""
+    family = get_model_family(pipeline)
+    device = torch.device("cuda", 0)
+    with single_process_group(backend="nccl", device_type="cuda") as mesh:
+        torch.cuda.set_device(device)
+        model = load_trainable_denoiser(family, str(pipeline), mesh, device, torch.float32)
+        shard_model(model, family.blocks(model), mesh, torch.float32)
+        teacher = load_frozen_denoiser(family, str(pipeline), mesh, device, torch.float32)
+        shard_model(teacher, family.blocks(teacher), mesh, None)
+        optimizer = build_optimizer([model], OPT_ARGS)
+        denoiser_loss(family, model, seed=0).backward()
+        optimizer.step()
+        with torch.no_grad():
+            denoiser_loss(family, teacher, seed=3)
+        assert not all(isinstance(p, DTensor) for p in teacher.parameters())
+        before = _snapshot(model, optimizer)
+        controller = SleepController([model, teacher], optimizer, device)
+
+        controller.sleep()
+        assert all(isinstance(p, DTensor) for p in teacher.parameters())  # resharded before the move
+        assert {p.device.type for m in (model, teacher) for p in m.parameters()} == {"cpu"}
+        assert {
+            value.device.type
+            for state in optimizer.state.values()
+            for key, value in state.items()
+            if key != "step" and isinstance(value, torch.Tensor)
+        } == {"cpu"}
+        _assert_same(before, _snapshot(model, optimizer))
+        controller.wake_up()
+        assert {p.device.type for m in (model, teacher) for p in m.parameters()} == {"cuda"}
+        _assert_same(before, _snapshot(model, optimizer))
