@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from miles.models.digits import DigitsFamily
-from miles.rollout.data_source import JsonlPromptSource, load_image, load_image_latent
+from miles.rollout.data_source import (
+    JsonlPromptSource,
+    load_image,
+    load_image_latent,
+    make_prompt_shard,
+    split_prompts,
+)
 from miles.utils.misc import make_generator
 
 
@@ -94,3 +100,21 @@ def test_image_errors_name_the_record_and_a_wrong_size_is_rejected(tmp_path):
     assert load_image_latent(family, big).shape == (1, 16, 16)  # no expected shape: no check
     with pytest.raises(FileNotFoundError, match="is a directory; pass a JSONL file"):
         JsonlPromptSource(tmp_path)
+
+
+def test_split_prompts_is_contiguous_equal_and_exact():
+    assert split_prompts(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert split_prompts(4, 1) == [range(0, 4)]
+    with pytest.raises(ValueError, match="6 prompts do not split evenly over 4 DP ranks"):
+        split_prompts(6, 4)
+    with pytest.raises(ValueError, match="cannot split prompts into 0 parts"):
+        split_prompts(6, 0)
+
+
+def test_make_prompt_shard_keeps_a_prompts_samples_together():
+    records = [{"text": "digit 3", "label": 3}, {"text": "digit 5", "label": 5}]
+    shard = make_prompt_shard(4, records, input_key="text", n_samples_per_prompt=3, first_prompt_index=2)
+    assert shard.sample_indices == [6, 7, 8, 9, 10, 11]  # prompt p's j-th sample: p · 3 + j
+    assert shard.prompts == ["digit 3"] * 3 + ["digit 5"] * 3
+    assert shard.records == [records[0]] * 3 + [records[1]] * 3
+    assert shard.rollout_id == 4 and len(shard) == 6 and shard.base_dir == "."
