@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from miles.ray.actor_group import RayTrainGroup
 from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
@@ -64,6 +64,9 @@ def _ready(pg: PlacementGroup, what: str, bundles: list[dict[str, float]]) -> Pl
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError as exc:
+        # A pending group stays queued on the cluster (one the driver joined outlives it) and takes its bundles once
+        # they free up: hand it back.
+        remove_placement_group(pg)
         raise RuntimeError(
             f"the Ray cluster could not place {len(bundles)} bundles of {bundles[0]} for {what} within "
             f"{PLACEMENT_TIMEOUT_S}s (cluster has {ray.cluster_resources()}); lower --actor-num-nodes / "
@@ -80,7 +83,7 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
         ``--rollout-num-gpus``; every trainer group uses the ``"actor"`` entry.
 
     Raises:
-        RuntimeError: if the cluster cannot grant the bundles in time.
+        RuntimeError: if the cluster cannot grant the bundles in time; nothing stays reserved then.
     """
     cpus = bundle_cpus(args)
     bundle = {"GPU": 1, "CPU": cpus} if use_gpu_bundles() else {"CPU": cpus}
@@ -94,7 +97,11 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
     }
     if args.rollout_num_gpus:
         engine_bundles = [dict(bundle) for _ in range(args.rollout_num_gpus)]
-        engine_pg = _ready(placement_group(engine_bundles, strategy="PACK"), "the rollout engines", engine_bundles)
+        try:
+            engine_pg = _ready(placement_group(engine_bundles, strategy="PACK"), "the rollout engines", engine_bundles)
+        except RuntimeError:
+            remove_placement_group(pgs["actor"][0])  # the caller never sees it, so cannot end it
+            raise
         pgs["rollout"] = (engine_pg, list(range(args.rollout_num_gpus)))
     logger.debug("placement: %d trainer bundles of %s, %d engine bundles", num_ranks, bundle, args.rollout_num_gpus)
     return pgs
