@@ -1,63 +1,181 @@
-"""Placement on a CPU-only Ray cluster: bundles, resource fractions, and the trainer groups of a run."""
+"""Where the trainer groups and engine replicas run (``miles.ray.placement_group``, seed ``[DMD2 4/7]``).
 
-import sys
-from pathlib import Path
+``create_training_models`` gives each group ``compute_trainer_args(args, config)`` and reserves
+``trainer_resources(len(configs), use_gpu, bundle_cpus(args))`` of every bundle; the RolloutManager reserves none.
+The first tests build the same group args and fractions the way it does, then check what the groups would do with
+them: which hooks load, how a DP shard splits into optimizer steps, where each group checkpoints, and that
+everything fits one bundle per rank. The others place and start real groups on the session's CPU-only Ray cluster.
+"""
+
+import copy
 
 import pytest
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from miles.backends.fsdp_utils import actor as trainer
+from miles.backends.fsdp_utils.loss_hub import dmd2, sft
+from miles.driver.arguments import parse_args
+from miles.driver.schedule import needs_sleep
+from miles.methods import compute_trainer_configs
+from miles.ray import placement_group as placement
+from miles.utils.trainer_config import compute_trainer_args
+from tests.support.trainer import make_args, make_pipeline
 
-from trainer_support import make_args, make_pipeline, ray_session  # noqa: E402
-
-from miles.ray import placement_group as placement  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with ray_session(num_cpus=4):
-        yield
+SFT = "miles.backends.fsdp_utils.loss_hub.sft"
+BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "4"]
 
 
+def _args(loss_type: str, dp: int = 2, *extra: str):
+    argv = [*BASE, "--loss-type", loss_type, "--actor-num-gpus-per-node", str(dp), "--rollout-batch-size", "12"]
+    if loss_type == "dmd2":
+        argv += ["--teacher-load", "/models/teacher", "--dmd2-critic-steps-per-rollout", "3"]
+    if loss_type == "custom_loss":
+        argv += [
+            "--custom-expand-samples-to-train-pairs-path", "miles.ray.data_conversion_hub.sft.expand_samples_to_train_pairs",
+            "--custom-prepare-train-batch-path", f"{SFT}.prepare_sft_batch",
+            "--custom-loss-function-path", f"{SFT}.sft_loss_formula",
+        ]  # fmt: skip
+    return parse_args([*argv, *extra])
+
+
+def _group_args(args) -> dict:
+    """``{role: group args}`` in training order, built as ``create_training_models`` builds them."""
+    return {config.role: compute_trainer_args(args, config) for config in compute_trainer_configs(args)}
+
+
+# -- without Ray -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("loss_type", ["sft_loss", "custom_loss", "dmd2"])
+def test_only_dmd2_adds_a_trainer_and_every_group_fits_one_bundle_per_rank(loss_type, dp):
+    args = _args(loss_type, dp)
+    groups = _group_args(args)
+    assert list(groups) == (["critic", "actor"] if loss_type == "dmd2" else ["actor"])
+    for use_gpu in (True, False):
+        for bundle_cpus in (1, 3):
+            gpus, cpus = placement.trainer_resources(len(groups), use_gpu, bundle_cpus)
+            # A bundle holds one rank of every group and nothing else (the RolloutManager reserves no CPU).
+            assert len(groups) * cpus == pytest.approx(bundle_cpus)
+            assert len(groups) * gpus == pytest.approx(1.0 if use_gpu else 0.0)
+    # Several groups on one GPU take turns (each sleeps after its train); on the CPU nothing is freed by sleeping.
+    assert needs_sleep(len(groups), use_gpu=True) is (loss_type == "dmd2")
+    assert needs_sleep(len(groups), use_gpu=False) is False
+
+
+def test_resource_fractions_fill_a_bundle_exactly():
+    assert placement.trainer_resources(num_groups=2, use_gpu=True, cpus=2) == (0.5, 1.0)
+    assert placement.trainer_resources(num_groups=1, use_gpu=True, cpus=1) == (1.0, 1.0)
+    # Without CUDA the same shares are CPU-only.
+    assert placement.trainer_resources(num_groups=2, use_gpu=False, cpus=4) == (0.0, 2.0)
+
+
+def test_dmd2_critic_trains_first_from_critic_load_at_critic_lr_with_sibling_dirs_and_k_steps():
+    args = _args(
+        "dmd2", 2, "--critic-load", "/models/critic_init", "--critic-lr", "8e-6", "--lr", "2e-6",
+        "--load", "/ckpt/run", "--save", "/ckpt/run", "--micro-batch-size", "2",
+    )  # fmt: skip
+    critic, actor = _group_args(args).values()
+    assert (critic.hf_checkpoint, critic.lr, critic.teacher_load) == ("/models/critic_init", 8e-6, "/models/teacher")
+    assert (actor.hf_checkpoint, actor.lr, actor.teacher_load) == ("/models/student", 2e-6, None)
+    assert (critic.load, critic.save) == ("/ckpt/run_critic", "/ckpt/run_critic")
+    assert (actor.load, actor.save) == ("/ckpt/run", "/ckpt/run")
+    assert critic.save_hf is None  # only the student is exported
+
+    # The hooks each group's ranks load: SFT-shaped critic steps and the scoring; the generator loss on the actor.
+    critic_hooks, actor_hooks = trainer.load_hooks(critic), trainer.load_hooks(actor)
+    assert (critic_hooks.prepare, critic_hooks.loss) == (dmd2.prepare_critic_batch, sft.sft_loss_formula)
+    assert critic_hooks.train_output is dmd2.predict_teacher_and_critic_x0
+    assert (actor_hooks.prepare, actor_hooks.loss) == (dmd2.prepare_generator_batch, dmd2.dmd2_loss_formula)
+    assert actor_hooks.train_output is None and actor_hooks.train_input is None
+
+    # Both groups train on the same DP shard (12 pairs / 2 ranks): the critic in K = 3 steps, the actor in one.
+    shard = list(range(6))
+    critic_windows = trainer.split_windows(shard, critic.num_steps_per_rollout, critic.micro_batch_size)
+    actor_windows = trainer.split_windows(shard, actor.num_steps_per_rollout, actor.micro_batch_size)
+    assert critic_windows == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    assert actor_windows == [[[0, 1], [2, 3], [4, 5]]]
+    assert critic.global_batch_size * critic.num_steps_per_rollout == actor.global_batch_size == 12
+    # The LR schedule counts the group's own optimizer steps.
+    assert (
+        critic.num_rollout * critic.num_steps_per_rollout == 12
+        and actor.num_rollout * actor.num_steps_per_rollout == 4
+    )
+
+
+def test_dmd2_actor_copy_drops_only_the_teacher_and_the_input_args_stay_untouched():
+    args = _args("dmd2", 2, "--save", "/ckpt/run", "--save-interval", "2")
+    snapshot = copy.deepcopy(vars(args))
+    groups = _group_args(args)
+    actor = dict(vars(groups["actor"]))
+    assert {name for name in actor.keys() | snapshot.keys() if actor.get(name) != snapshot.get(name)} == {
+        "teacher_load"
+    }
+    # Mutating a group's copy never reaches the run's args or the other group.
+    groups["critic"].diffusion_timesteps = [1000.0]
+    groups["actor"].custom_train_output_function_path = "x.y"
+    assert vars(args) == snapshot and vars(_group_args(args)["actor"]) == actor
+
+
+# -- on the session's Ray cluster (4 CPUs, no GPU) -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     return make_pipeline(tmp_path_factory.mktemp("digits"))
 
 
-def test_resource_fractions_fill_a_bundle_exactly():
-    assert placement.TRAINER_BUNDLE_SHARE + placement.ENGINE_BUNDLE_SHARE == 1.0
-    gpus, cpus = placement.trainer_resources(num_groups=2, colocated_engine=True, use_gpu=True)
-    engine_gpus, engine_cpus = placement.rollout_resources(colocated_engine=True, use_gpu=True)
-    assert (gpus, cpus, engine_gpus, engine_cpus) == (0.4, 0.4, 0.2, 0.2)
-    assert 2 * gpus + engine_gpus == pytest.approx(1.0)
-    assert placement.trainer_resources(num_groups=1, colocated_engine=False, use_gpu=True) == (1.0, 1.0)
-    assert placement.rollout_resources(colocated_engine=False, use_gpu=False) == (0.0, 1.0)
-    # Without CUDA the same shares are CPU-only.
-    assert placement.trainer_resources(num_groups=2, colocated_engine=True, use_gpu=False) == (0.0, 0.4)
+def _remove(pgs):
+    for pg, _ in pgs.values():
+        ray.util.remove_placement_group(pg)
 
 
-def test_cpu_bundles_per_rank_and_colocated_or_own_engine(ray_cluster, pipeline, tmp_path):
+def test_bundle_cpus_share_a_node_among_its_ranks_and_engine_replicas(ray_cluster, pipeline, tmp_path):
     args = make_args(pipeline, tmp_path)
     assert not placement.use_gpu_bundles()
+    assert placement.bundle_cpus(args) == 2  # 4 CPUs / 2 trainer ranks
+    args.rollout_num_gpus = 1
+    assert placement.bundle_cpus(args) == 1  # 4 CPUs / (2 ranks + 1 replica)
+    args.num_cpus_per_rank = 3
+    assert placement.bundle_cpus(args) == 3
+    assert placement.bundle_cpus(make_args(pipeline, tmp_path, actor_num_gpus_per_node=8)) == 1  # at least 1
+
+
+def test_cpu_bundles_per_rank_and_own_engine_bundles(ray_cluster, pipeline, tmp_path):
+    args = make_args(pipeline, tmp_path)
     pgs = placement.create_placement_groups(args)
-    pg, bundles = pgs["actor"]
-    assert pg.bundle_specs == [{"CPU": 1}, {"CPU": 1}] and bundles == [0, 1]
-    assert pgs["rollout"] == (pg, [0])  # colocated by default
-    ray.util.remove_placement_group(pg)
+    try:
+        pg, bundles = pgs["actor"]
+        assert pg.bundle_specs == [{"CPU": 2}, {"CPU": 2}] and bundles == [0, 1]
+        assert "rollout" not in pgs  # the actor ranks generate; the RolloutManager needs no bundle
+    finally:
+        _remove(pgs)
 
     args.rollout_num_gpus = 1
     pgs = placement.create_placement_groups(args)
-    rollout_pg, rollout_bundles = pgs["rollout"]
-    assert rollout_pg.id != pgs["actor"][0].id and rollout_pg.bundle_specs == [{"CPU": 1}] and rollout_bundles == [0]
-    ray.util.remove_placement_group(rollout_pg)
-    ray.util.remove_placement_group(pgs["actor"][0])
+    try:
+        rollout_pg, rollout_bundles = pgs["rollout"]
+        assert pgs["actor"][0].bundle_specs == [{"CPU": 1}, {"CPU": 1}]
+        assert rollout_pg.id != pgs["actor"][0].id and rollout_pg.bundle_specs == [{"CPU": 1}]
+        assert rollout_bundles == [0]
+    finally:
+        _remove(pgs)
 
 
-def test_unplaceable_bundles_fail_with_the_flags_to_change(ray_cluster, pipeline, tmp_path, monkeypatch):
-    args = make_args(pipeline, tmp_path, actor_num_gpus_per_node=8)
+def _live_placement_groups() -> set[str]:
+    return {pg_id for pg_id, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def test_unplaceable_bundles_fail_with_the_flags_to_change_and_leave_nothing_reserved(
+    ray_cluster, pipeline, tmp_path, monkeypatch
+):
     monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 2)
+    before = _live_placement_groups()
+    args = make_args(pipeline, tmp_path, actor_num_gpus_per_node=8)
     with pytest.raises(RuntimeError, match="could not place 8 bundles .*--actor-num-gpus-per-node"):
         placement.create_placement_groups(args)
+    # The trainer bundles fit but the engine's do not: the granted trainer group is handed back too.
+    args = make_args(pipeline, tmp_path, rollout_num_gpus=1, num_cpus_per_rank=2)
+    with pytest.raises(RuntimeError, match="could not place 1 bundles .* for the rollout engines"):
+        placement.create_placement_groups(args)
+    # A driver that joined a running cluster must not leave a pending reservation behind.
+    assert _live_placement_groups() == before
 
 
 def test_create_training_models_builds_dmd2_critic_first(ray_cluster, pipeline, tmp_path):
@@ -66,16 +184,22 @@ def test_create_training_models_builds_dmd2_critic_first(ray_cluster, pipeline, 
         "--dmd2-critic-steps-per-rollout", "2", "--save", str(tmp_path / "ckpt"), train_only=False,
     )  # fmt: skip
     pgs = placement.create_placement_groups(args)
-    groups = placement.create_training_models(args, pgs)
+    started = []
+    groups = placement.create_training_models(args, compute_trainer_configs(args), pgs, started=started)
     try:
         assert list(groups) == ["critic", "actor"]
+        assert started == [("actor", handle) for group in groups.values() for handle in group.actors]
         assert [group.start_rollout_id for group in groups.values()] == [0, 0]
         critic, actor = groups["critic"].args, groups["actor"].args
         assert (critic.hf_checkpoint, critic.lr, critic.num_steps_per_rollout) == (str(pipeline), 2e-4, 2)
         assert critic.save == str(tmp_path / "ckpt") + "_critic" and actor.save == str(tmp_path / "ckpt")
         assert actor.teacher_load is None and critic.teacher_load == str(pipeline)
         assert ray.get(groups["critic"].async_sleep_state()) == ["awake", "awake"]
+        # Each rank reports its device and what it holds: only the critic group holds the (frozen) teacher.
+        critic_rank0, actor_rank0 = (ray.get(group.actors[0].describe.remote()) for group in groups.values())
+        assert critic_rank0["frozen_parameters"] == critic_rank0["trainable_parameters"] > 0
+        assert actor_rank0["frozen_parameters"] == 0 and actor_rank0["sharded"] is True
     finally:
         for group in groups.values():
             group.shutdown()
-        ray.util.remove_placement_group(pgs["actor"][0])
+        _remove(pgs)
