@@ -1,27 +1,15 @@
-"""RayTrainGroup: two colocated groups of 2 CPU ranks and the rank pairing of external_data."""
-
-import sys
-from pathlib import Path
+"""RayTrainGroup: two colocated groups of 2 CPU ranks, the rank pairing of external_data, and the eval split."""
 
 import pytest
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer_support import digits_pairs, make_args, make_pipeline, ray_session  # noqa: E402
-
-from miles.models import get_model_family  # noqa: E402
-from miles.ray.actor_group import RayTrainGroup  # noqa: E402
-from miles.ray.placement_group import create_placement_groups, trainer_resources  # noqa: E402
-from miles.utils.types import Box  # noqa: E402
+from miles.models import get_model_family
+from miles.ray.actor_group import RayTrainGroup, split_shard
+from miles.ray.placement_group import bundle_cpus, create_placement_groups, trainer_resources
+from miles.utils.types import Box, PromptShard, TrainResult
+from tests.support.trainer import digits_pairs, make_args, make_pipeline
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with ray_session(num_cpus=4):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +23,9 @@ def _shutdown(groups):
 
 
 def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipeline, tmp_path):
-    args = make_args(pipeline, tmp_path, custom_train_output_function_path="trainer_support.echo_output")
+    args = make_args(pipeline, tmp_path, custom_train_output_function_path="tests.support.trainer.echo_output")
     pgs = create_placement_groups(args)
-    gpus, cpus = trainer_resources(num_groups=2, colocated_engine=True, use_gpu=False)
+    gpus, cpus = trainer_resources(num_groups=2, use_gpu=False, cpus=bundle_cpus(args))
     groups = [
         RayTrainGroup(args, role, 1, WORLD, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
         for role in ("critic", "actor")
@@ -51,11 +39,16 @@ def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipelin
                 pair.sample_index = 100 * rollout_id + i
             refs = [Box(ray.put(pairs[:4])), Box(ray.put(pairs[4:]))]
             first = ray.get(groups[0].async_train(rollout_id, refs))
-            assert all(isinstance(box, Box) for box in first)
-            second = ray.get(groups[1].async_train(rollout_id, refs, external_data={"critic": first}))
+            assert all(isinstance(result, TrainResult) and isinstance(result.output, Box) for result in first)
+            # Per-step metrics, averaged over the ranks, come back once: from rank 0.
+            assert [len(result.metrics) for result in first] == [1, 0]
+            assert "train/critic-loss" in first[0].metrics[0] and first[1].perf == {}
+            outputs = [result.output for result in first]
+            second = ray.get(groups[1].async_train(rollout_id, refs, external_data={"critic": outputs}))
+            assert "train/loss" in second[0].metrics[0]
 
-            first_out = [ray.get(box.inner) for box in first]
-            second_out = [ray.get(box.inner) for box in second]
+            first_out = [ray.get(result.output.inner) for result in first]
+            second_out = [ray.get(result.output.inner) for result in second]
             for rank in range(WORLD):
                 expected_indices = [100 * rollout_id + rank * 4 + i for i in range(4)]
                 assert first_out[rank] == {
@@ -67,10 +60,23 @@ def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipelin
                 assert second_out[rank]["external"] == {"critic": first_out[rank]}
                 assert second_out[rank]["sample_indices"] == expected_indices
 
-        with pytest.raises(ValueError, match="actor group has 2 ranks but group 'critic' handed over 1 outputs"):
-            groups[1].async_train(2, refs, external_data={"critic": first[:1]})
-        with pytest.raises(ValueError, match="critic group has 2 ranks but the rollout has 1 shards"):
+        with pytest.raises(ValueError, match="actor group has 2 ranks but got 1 outputs of group 'critic'"):
+            groups[1].async_train(2, refs, external_data={"critic": outputs[:1]})
+        with pytest.raises(ValueError, match="critic group has 2 ranks but got 1 train-pair shards"):
             groups[0].async_train(2, refs[:1])
+        with pytest.raises(ValueError, match="actor group has 2 ranks but got 3 prompt shards"):
+            groups[1].async_generate(2, refs + refs[:1])
     finally:
         _shutdown(groups)
         ray.util.remove_placement_group(pgs["actor"][0])
+
+
+def test_split_shard_pads_with_the_last_sample_so_every_rank_runs_the_same_forwards():
+    shard = PromptShard("eval", [0, 1, 2, 3, 4], [f"p{i}" for i in range(5)], [{"i": i} for i in range(5)], "/data")
+    parts, pad = split_shard(shard, 2)
+    assert pad == 1
+    assert [part.sample_indices for part in parts] == [[0, 1, 2], [3, 4, 4]]
+    assert [part.prompts for part in parts] == [["p0", "p1", "p2"], ["p3", "p4", "p4"]]
+    assert all(part.rollout_id == "eval" and part.base_dir == "/data" for part in parts)
+    parts, pad = split_shard(shard, 5)
+    assert pad == 0 and [len(part) for part in parts] == [1] * 5
