@@ -109,6 +109,13 @@ def record_input_second(ctx, train_pairs):
     return _record(ctx, train_pairs, "second")
 
 
+def dmd2_pairs_without_sample_99(args, samples):
+    """Converter that breaks the equal-count rule: the DMD2 pairs, less the one of sample index 99 (if any)."""
+    from miles.ray.data_conversion_hub.dmd2 import expand_samples_to_train_pairs
+
+    return [pair for pair in expand_samples_to_train_pairs(args, samples) if pair.sample_index != 99]
+
+
 def drop_pairs_on_rank1(ctx, train_pairs):
     """Train-input hook that breaks the equal-count rule: rank 1 loses a pair."""
     return train_pairs[:-1] if ctx.dp_rank == 1 else train_pairs

@@ -1,36 +1,31 @@
-"""FSDPTrainRayActor on CPU: real Ray, real gloo, real FSDP2, the digits pipeline and the real SFT hooks."""
+"""FSDPTrainRayActor on CPU: real Ray, real gloo, real FSDP2, the digits pipeline and the real SFT and DMD2 hooks."""
 
-import sys
-from pathlib import Path
+import json
 from types import SimpleNamespace
 
 import pytest
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from trainer_support import SFT_LOSS, SFT_PREPARE, digits_pairs, make_args, make_pipeline, ray_session  # noqa: E402
-
-from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_windows  # noqa: E402
-from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula  # noqa: E402
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext  # noqa: E402
-from miles.backends.fsdp_utils.optimizer import lr_factor  # noqa: E402
-from miles.eval.digits.data import write_digits_jsonl  # noqa: E402
-from miles.models import get_model_family  # noqa: E402
-from miles.ray.actor_group import RayTrainGroup  # noqa: E402
-from miles.ray.rollout import RayRolloutManager  # noqa: E402
-from miles.utils.tracking import read_metrics  # noqa: E402
-from miles.utils.types import Box  # noqa: E402
+from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_windows
+from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.optimizer import lr_factor
+from miles.eval.digits.data import write_digits_jsonl
+from miles.methods import compute_trainer_configs
+from miles.models import get_model_family
+from miles.ray.actor_group import RayTrainGroup
+from miles.ray.engine_group import EngineGroup
+from miles.ray.rollout import RolloutManager
+from miles.rollout.step_strategy_hub import stop_at_random_step
+from miles.utils.sampling import initial_noise
+from miles.utils.trainer_config import compute_trainer_args
+from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
+from tests.support.rollout import prompt_shard
+from tests.support.trainer import SFT_LOSS, SFT_PREPARE, digits_pairs, make_args, make_pipeline
 
 WORLD = 2
 PAIRS_PER_RANK = 4
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with ray_session(num_cpus=4):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +95,28 @@ def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family,
     try:
         assert starts == [0, 0]
         pairs, boxes = _boxes(family, rollout_id=0)
-        outs = ray.get(group.async_train(0, boxes))
-        assert all(isinstance(out, Box) and ray.get(out.inner) is None for out in outs)
+        results = ray.get(group.async_train(0, boxes))
+        assert all(isinstance(result, TrainResult) and ray.get(result.output.inner) is None for result in results)
         trained = ray.get(group.async_get_full_state_dict())[0]
 
-        # The gathered weights reach a real engine: its samples change from the initial student's.
+        # The gathered weights reach a real engine replica: its samples change from the initial student's, and
+        # equal what the trained actor ranks sample themselves.
         prompts = write_digits_jsonl(tmp_path / "data", prompt_repeats=1)["prompts"]
-        engine_args = make_args(pipeline, tmp_path, train_only=False, prompt_data=prompts)
-        manager = RayRolloutManager.options(num_cpus=0.2).remote(engine_args, WORLD)
-        before = ray.get(manager.evaluate.remote(["a handwritten digit 3"] * 2, [0, 1]))
-        ray.get(group.async_update_weights(manager))
-        after = ray.get(manager.evaluate.remote(["a handwritten digit 3"] * 2, [0, 1]))
-        assert before.shape == after.shape == (2, 8, 8, 1) and not torch.equal(before, after)
-        ray.kill(manager)
+        engine_args = make_args(pipeline, tmp_path, train_only=False, prompt_data=prompts, rollout_num_gpus=1)
+        engine_pg = ray.util.placement_group([{"CPU": 1}])
+        ray.get(engine_pg.ready())
+        engines = EngineGroup(engine_args, (engine_pg, [0]), num_gpus=0.0, num_cpus=0.2)
+        try:
+            shard = prompt_shard("eval", ["a handwritten digit 3"] * 3)
+            before = engines.evaluate(shard)
+            ray.get(group.async_update_weights(engines.engines))
+            after = engines.evaluate(shard)
+            assert before.shape == after.shape == (3, 8, 8, 1) and not torch.equal(before, after)
+            assert torch.equal(group.evaluate(shard), after)  # split over the 2 ranks, padded to 2 + 2
+        finally:
+            for engine in engines.engines:
+                ray.kill(engine)
+            ray.util.remove_placement_group(engine_pg)
     finally:
         _teardown(group, pg)
 
@@ -121,20 +125,24 @@ def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family,
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-5, msg=name)
-    records = [r for r in read_metrics(args.output_dir) if r["job"] == "actor"]
-    assert [r["rollout_id"] for r in records] == [0, 0]  # one record per optimizer window
+    # One record per optimizer window, averaged over the ranks, returned by rank 0 (no tracker in the workers).
+    records = results[0].metrics
+    assert results[1].metrics == [] and results[1].perf == {}
     assert [r["train/loss"] for r in records] == pytest.approx(ref_losses, abs=1e-6)
     assert {"train/grad_norm", "train/lr", "train/sft_loss", "train/step"} <= records[0].keys()
-    assert records[0]["train/lr"] == pytest.approx(1e-3)
+    assert records[0]["train/lr"] == pytest.approx(1e-3) and [r["train/step"] for r in records] == [1, 2]
+    assert {"perf/actor-train_steps_time", "perf/actor-train_output_time"} <= results[0].perf.keys()
 
 
 def test_resume_reproduces_losses_and_weights(ray_cluster, pipeline, family, tmp_path):
     save = tmp_path / "ckpt"
     full = make_args(pipeline, tmp_path / "full", save=str(save))
     group, pg, _ = _spawn(full)
+    losses_full = {}
     try:
         for rollout_id in range(4):
-            ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+            results = ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+            losses_full[rollout_id] = results[0].metrics[0]["train/loss"]
             if rollout_id == 1:
                 ray.get(group.async_save(rollout_id, {"cursor": 16}))
         weights_full = ray.get(group.async_get_full_state_dict())[0]
@@ -144,24 +152,23 @@ def test_resume_reproduces_losses_and_weights(ray_cluster, pipeline, family, tmp
 
     resumed = make_args(pipeline, tmp_path / "resumed", load=str(save))
     group, pg, starts = _spawn(resumed)
+    losses_resumed = {}
     try:
         assert starts == [2, 2]
         for rollout_id in range(2, 4):
-            ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+            results = ray.get(group.async_train(rollout_id, _boxes(family, rollout_id)[1]))
+            losses_resumed[rollout_id] = results[0].metrics[0]["train/loss"]
         weights_resumed = ray.get(group.async_get_full_state_dict())[0]
     finally:
         _teardown(group, pg)
 
-    def losses(args):
-        return {r["rollout_id"]: r["train/loss"] for r in read_metrics(args.output_dir) if r["job"] == "actor"}
-
-    assert losses(resumed) == {2: losses(full)[2], 3: losses(full)[3]}  # exact, not approx
+    assert losses_resumed == {2: losses_full[2], 3: losses_full[3]}  # exact, not approx
     for name, value in weights_full.items():
         assert torch.equal(weights_resumed[name], value), name
 
 
 def test_sleep_wake_and_bad_inputs(ray_cluster, pipeline, family, tmp_path):
-    args = make_args(pipeline, tmp_path, custom_train_input_function_path="trainer_support.drop_pairs_on_rank1")
+    args = make_args(pipeline, tmp_path, custom_train_input_function_path="tests.support.trainer.drop_pairs_on_rank1")
     group, pg, _ = _spawn(args, role="critic")
     try:
         before = ray.get(group.async_get_full_state_dict())[0]
@@ -194,6 +201,58 @@ def test_bad_hook_path_fails_at_init(ray_cluster, pipeline, tmp_path):
         ray.util.remove_placement_group(pg)
 
 
+def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_split_is_named(
+    ray_cluster, pipeline, tmp_path
+):
+    """Each actor rank samples its own shard on its student (seed [DMD2 4/7]); the pairs stay on the rank for its
+    own train and are boxed for the paired ranks of the other groups."""
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"a handwritten digit {d}", "label": d}) + "\n" for d in range(5)))
+    args = make_args(
+        pipeline, tmp_path, "--loss-type", "dmd2", "--teacher-load", str(pipeline), "--n-samples-per-prompt", "2",
+        "--dmd2-critic-steps-per-rollout", "1", "--dmd2-teacher-guidance-scale", "4.0", "--rollout-seed", "11",
+        "--rollout-batch-size", "4", "--micro-batch-size", "2", train_only=False, prompt_data=str(data),
+        custom_expand_samples_to_train_pairs_path="tests.support.trainer.dmd2_pairs_without_sample_99",
+    )  # fmt: skip
+    actor_config = compute_trainer_configs(args)[1]
+    group, pg, _ = _spawn(compute_trainer_args(args, actor_config))
+    try:
+        shards = RolloutManager(args, dp_size=WORLD).shards(0)
+        results = ray.get(group.async_generate(0, [Box(ray.put(shard)) for shard in shards]))
+        assert all(isinstance(result, RolloutResult) for result in results)
+        assert [result.num_pairs for result in results] == [4, 4]
+        assert "perf/actor-generate_time" in results[0].perf
+        per_rank = [ray.get(result.pairs.inner) for result in results]
+        pairs = per_rank[0] + per_rank[1]
+        assert all(isinstance(pair, TrainPair) for pair in pairs)
+        assert [pair.sample_index for pair in pairs] == list(range(8))
+        assert [pair.step_index for pair in pairs] == stop_at_random_step(args, 0, list(range(8)), 4)
+        sigmas = [1.0, 0.9, 0.75, 0.5]
+        for pair in pairs:
+            assert pair.sigma == pytest.approx(sigmas[pair.step_index])
+            assert pair.timestep == pytest.approx(pair.sigma * 1000)
+            assert pair.latent.shape == pair.x0.shape == (1, 8, 8)
+            assert set(pair.neg_cond) == {"encoder_hidden_states", "pooled_projections"}  # teacher CFG 4 > 1
+            if pair.step_index == 0:
+                assert torch.equal(pair.latent, initial_noise((1, 8, 8), 11, 0, [pair.sample_index])[0])
+        # samples 2j and 2j+1 come from prompt j: same cond, different noise
+        for j in range(4):
+            a, b = pairs[2 * j], pairs[2 * j + 1]
+            assert torch.equal(a.pos_cond["pooled_projections"], b.pos_cond["pooled_projections"])
+        assert not torch.equal(pairs[0].pos_cond["pooled_projections"], pairs[2].pos_cond["pooled_projections"])
+
+        # The converter drops rank 1's sample 99: every rank raises naming the hook, before any train collective.
+        uneven = [
+            PromptShard(1, [0, 1], shards[0].prompts[:2], shards[0].records[:2]),
+            PromptShard(1, [98, 99], shards[1].prompts[:2], shards[1].records[:2]),
+        ]
+        message = "actor ranks hold different numbers of train pairs .1..2. after the converter"
+        with pytest.raises(ray.exceptions.RayTaskError, match=message):
+            ray.get(group.async_generate(1, [Box(ray.put(shard)) for shard in uneven]))
+    finally:
+        _teardown(group, pg)
+
+
 # -- in-process pieces --------------------------------------------------------------------------------------------
 def test_load_hooks_by_path_and_unset_paths():
     args = SimpleNamespace(
@@ -217,7 +276,7 @@ def test_split_windows_even_and_uneven():
     pairs = list(range(12))
     assert split_windows(pairs, 3, 3) == [[[0, 1, 2], [3]], [[4, 5, 6], [7]], [[8, 9, 10], [11]]]
     assert split_windows(pairs, 1, 12) == [[pairs]]
-    with pytest.raises(ValueError, match="12 train pairs per rank do not split into 5 optimizer steps"):
+    with pytest.raises(ValueError, match="12 train pairs per rank do not split into 5 equal optimizer steps"):
         split_windows(pairs, 5, 1)
     with pytest.raises(ValueError, match="shard is empty"):
         split_windows([], 1, 1)
