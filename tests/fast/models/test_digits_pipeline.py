@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.models import get_model_family
+from miles.driver.arguments import parse_args
 from miles.models.digits import init_digits_pipeline
 from miles.models.digits_pipeline import (
     SCHEDULE_KEYS,
@@ -15,7 +15,7 @@ from miles.models.digits_pipeline import (
     read_sampling_schedule,
     write_sampling_schedule,
 )
-from miles.rollout.engine import sample_images
+from tests.support.rollout import make_engine, prompt_shard
 
 TINY = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8}
 PROMPTS = ["a handwritten digit seven", "a handwritten digit one", "a handwritten digit seven"]
@@ -39,12 +39,24 @@ def student(student_dir):
     return DigitsPipeline.from_pretrained(student_dir)
 
 
-def reference(pipeline_dir, prompts, **kwargs):
-    """The engine's sampler called directly, with the evaluation seeds the pipeline uses."""
-    family = get_model_family(pipeline_dir)
-    denoiser = family.load_denoiser(pipeline_dir)
-    encoder = family.load_text_encoder(pipeline_dir)
-    return sample_images(family, denoiser, encoder, prompts, rollout_id="eval", **kwargs).numpy()
+def reference(pipeline_dir, prompts, *, num_steps, shift, guidance_scale, step_rule, seed, timesteps=None):
+    """The rollout engine's evaluation sampler (``RolloutEngine.sample``) on the pipeline's weights, with the same
+    schedule and the evaluation seeds the pipeline uses."""
+    argv = ["--hf-checkpoint", str(pipeline_dir), "--prompt-data", "unused.jsonl", "--num-rollout", "1"]
+    argv += [
+        "--rollout-batch-size",
+        "1",
+        "--diffusion-num-steps",
+        str(num_steps),
+        "--diffusion-flow-shift",
+        str(shift),
+    ]
+    argv += ["--diffusion-step-rule", step_rule, "--rollout-seed", str(seed)]
+    if timesteps is not None:
+        argv += ["--diffusion-timesteps", ",".join(str(t) for t in timesteps)]
+    engine = make_engine(parse_args(argv), pipeline_dir)
+    latents = engine.sample(prompt_shard("eval", prompts), guidance_scale=guidance_scale)
+    return engine.family.latents_to_images(latents).numpy()
 
 
 def test_schedule_is_written_into_the_scheduler_config_and_survives_diffusers(student_dir, student, tmp_path):

@@ -1,109 +1,35 @@
 """The sd3 family on a tiny random StableDiffusion3Pipeline written with save_pretrained (nothing is downloaded)."""
 
-import json
-
 import pytest
 import torch
 
-from miles.models import get_model_family
+from miles.driver.arguments import parse_args
+from miles.models import ModelFamily, get_model_family
+from miles.models.base import read_scheduler_config
 from miles.models.sd3 import SD3Family
-from miles.rollout.engine import DiffusionEngine
-from miles.utils.arguments import parse_args
-
-
-def _tiny_clip_tokenizer(folder):
-    """A byte-level CLIP BPE tokenizer with no merges: every character is a token."""
-    from transformers import CLIPTokenizer
-
-    codes = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars = [chr(c) for c in codes] + [chr(256 + i) for i in range(256 - len(codes))]
-    vocab = ["<|startoftext|>", "<|endoftext|>"] + chars + [c + "</w>" for c in chars]
-    (folder / "vocab.json").write_text(json.dumps({token: i for i, token in enumerate(vocab)}))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=12), len(vocab)
-
-
-def _tiny_sd3_pipeline(folder):
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab_size = _tiny_clip_tokenizer(folder)
-    torch.manual_seed(0)
-    clip = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=12,
-        projection_dim=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            caption_projection_dim=16,
-            pooled_projection_dim=32,
-            pos_embed_max_size=4,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",),
-            up_block_types=("UpDecoderBlock2D",),
-            block_out_channels=(8,),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=2,
-            sample_size=8,
-            scaling_factor=1.5,
-            shift_factor=0.1,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-        text_encoder=CLIPTextModelWithProjection(clip),
-        tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(clip),
-        tokenizer_2=tokenizer,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.save_pretrained(folder / "pipe")
-    return pipe, folder / "pipe"
+from tests.support.rollout import STOP_STEPS_HOOK, make_engine, prompt_shard
+from tests.support.sd3 import tiny_sd3_pipeline
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return _tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3"))
+    return tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3"))
 
 
 def test_family_is_picked_and_loads_the_saved_transformer(tiny):
     pipe, path = tiny
     family = get_model_family(path)
     assert isinstance(family, SD3Family) and family.name == "sd3"
-    assert family.load_scheduler_config(path) == {"shift": 3.0, "num_train_timesteps": 1000}
+    assert isinstance(family, ModelFamily)
+    assert read_scheduler_config(path) == {"shift": 3.0, "num_train_timesteps": 1000}
     assert family.latent_shape(path) == (4, 8, 8)
     denoiser = family.load_denoiser(path)
     reference = pipe.transformer.state_dict()
     for key, value in denoiser.state_dict().items():
         assert torch.equal(value, reference[key]), key
-    assert family.no_split_modules(denoiser) == ["JointTransformerBlock"]
+    # The blocks FSDP shards one by one: diffusers' _no_split_modules of SD3.
+    assert family.blocks(denoiser) == list(denoiser.transformer_blocks)
+    assert [type(block).__name__ for block in family.blocks(denoiser)] == denoiser._no_split_modules
 
 
 def test_prompts_encode_like_the_pipeline(tiny):
@@ -143,9 +69,10 @@ def test_engine_runs_one_rollout_from_disk(tiny):
         ["--hf-checkpoint", str(path), "--prompt-data", "unused.jsonl", "--num-rollout", "1"]
         + ["--rollout-batch-size", "2", "--diffusion-guidance-scale", "2.0"]
     )
+    args.diffusion_step_strategy_path, args.test_stop_steps = STOP_STEPS_HOOK, {0: 2}
     family = get_model_family(path)
-    engine = DiffusionEngine(args, family, path, device="cpu")
-    samples = engine.generate(["a cat", "a dog"], [0, 1], rollout_id=0, stop_steps=[2, None])
+    engine = make_engine(args, path, family=family)
+    samples = engine.generate(prompt_shard(0, ["a cat", "a dog"]))
     stopped, full = samples
     assert stopped.trajectory.step_indices == [2] and stopped.trajectory.final is None
     assert stopped.trajectory.latents.shape == (1, 4, 8, 8)
