@@ -8,7 +8,7 @@ from matplotlib import colormaps
 from PIL import Image
 
 from miles.eval.debug_grid import COLORMAP, NON_FINITE_RGB, render_dmd2_debug_grid, save_dmd2_debug_grid
-from miles.eval.digits_data import load_split
+from miles.eval.digits.data import load_split
 from miles.utils.misc import make_generator
 
 N, SCALE, SPACING = 8, 3, 2
