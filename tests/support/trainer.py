@@ -121,6 +121,11 @@ def drop_pairs_on_rank1(ctx, train_pairs):
     return train_pairs[:-1] if ctx.dp_rank == 1 else train_pairs
 
 
+def failing_eval_hook(args, images, records, rollout_id):
+    """``--eval-function-path`` hook that fails, as a user's broken evaluation would."""
+    raise RuntimeError(f"eval hook failed after rollout {rollout_id}")
+
+
 @contextmanager
 def single_process_group(backend: str = "gloo", device_type: str = "cpu"):
     """A 1-rank process group (gloo) and device mesh (``"cpu"``) in this process (FSDP2 and DCP need one)."""

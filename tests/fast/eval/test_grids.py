@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from miles.eval.grids import render_labelled_grid, save_image_grid, save_labelled_grid
@@ -70,3 +71,31 @@ def test_save_image_grid_tiles_in_input_order(tmp_path):
         top, left = 1 + (i // 3) * 9, 1 + (i % 3) * 9
         assert np.array_equal(grid[top : top + 8, left : left + 8], images[i].repeat(2, axis=0).repeat(2, axis=1))
     assert np.all(grid[10:18, 19:27] == 255)  # the sixth cell is empty
+
+
+def test_save_image_grid_pixel_layout(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    rgb = torch.randint(0, 256, (5, 3, 4, 3), dtype=torch.uint8, generator=gen)  # 5 images of 3x4, RGB
+    path = save_image_grid(rgb, tmp_path / "nested" / "grid.png", per_row=2, scale=3, spacing=1)
+    assert path == str(tmp_path / "nested" / "grid.png")
+    grid = np.asarray(Image.open(path))
+    cell_h, cell_w = 9, 12
+    assert grid.shape == (1 + 3 * (cell_h + 1), 1 + 2 * (cell_w + 1), 3)
+    background = np.ones(grid.shape[:2], dtype=bool)
+    for i in range(5):
+        top, left = 1 + (i // 2) * (cell_h + 1), 1 + (i % 2) * (cell_w + 1)
+        upscaled = rgb[i].numpy().repeat(3, axis=0).repeat(3, axis=1)
+        assert np.array_equal(grid[top : top + cell_h, left : left + cell_w], upscaled), i
+        background[top : top + cell_h, left : left + cell_w] = False
+    # Spacing and the empty sixth cell are white.
+    assert (grid[background] == 255).all()
+
+    # Grayscale [N, H, W] gives a mode-"L" PNG; the default scale makes 8-pixel digits 48 pixels wide.
+    gray = np.arange(2 * 8 * 8, dtype=np.uint8).reshape(2, 8, 8)
+    image = Image.open(save_image_grid(gray, tmp_path / "gray.png"))
+    assert image.mode == "L" and image.size == (4 + 2 * 52, 4 + 52)
+    assert np.array_equal(np.asarray(image)[4:52, 56:104], np.kron(gray[1], np.ones((6, 6), dtype=np.uint8)))
+    with pytest.raises(ValueError, match="0 images"):
+        save_image_grid(np.zeros((0, 8, 8), dtype=np.uint8), tmp_path / "empty.png")
+    with pytest.raises(ValueError, match="per_row=0"):
+        save_image_grid(gray, tmp_path / "bad.png", per_row=0)
