@@ -1,0 +1,53 @@
+"""``--dry-run`` (``miles.driver.plan``): the groups, their placement and each DP rank's work per rollout, printed
+without starting Ray; the input args stay untouched."""
+
+import copy
+import logging
+
+import torch
+
+from miles.driver.arguments import parse_args
+from miles.driver.plan import log_plan, work_per_rank
+from miles.methods.base import PhaseWork
+
+BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "4"]
+# DMD2 on 2 DP ranks: 12 prompts, 6 pairs per rank; K = 3 critic steps.
+DMD2 = [*BASE, "--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--dmd2-critic-steps-per-rollout", "3"]
+DMD2 += ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "12"]
+
+
+def test_dmd2_work_per_rank_counts_every_phase_divided_by_the_dp_size():
+    args = parse_args([*DMD2, "--dmd2-teacher-guidance-scale", "3"])
+    assert work_per_rank(args) == [
+        # 6 samples in micro-batches of 1, each up to the 4 steps of the schedule
+        ("actor", PhaseWork("rollout (at most)", 24, 0, 1)),
+        ("critic", PhaseWork("3 optimizer steps", 6, 6, 1)),
+        # the teacher's CFG doubles its batch: [uncond; cond] in one forward
+        ("critic", PhaseWork("scoring: teacher", 6, 0, 2)),
+        ("critic", PhaseWork("scoring: critic", 6, 0, 1)),
+        ("actor", PhaseWork("1 optimizer steps", 6, 6, 1)),
+    ]
+    # Dedicated engine replicas: each generates the shards of DP / N ranks.
+    engines = work_per_rank(parse_args([*DMD2, "--rollout-num-gpus", "1", "--micro-batch-size", "2"]))
+    assert engines[0] == ("engine replica", PhaseWork("rollout (at most)", 2 * 3 * 4, 0, 2))
+
+
+def test_sft_train_only_has_no_rollout_phase():
+    args = parse_args([*BASE, "--train-only", "--rollout-batch-size", "8", "--num-steps-per-rollout", "2"])
+    assert work_per_rank(args) == [("actor", PhaseWork("2 optimizer steps", 8, 8, 1))]
+
+
+def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(caplog):
+    args = parse_args([*DMD2, "--save", "/ckpt/run", "--save-interval", "2"])
+    snapshot = copy.deepcopy(vars(args))
+    with caplog.at_level(logging.INFO, logger="miles.driver.plan"):
+        log_plan(args)
+    assert vars(args) == snapshot
+    text = caplog.text
+    assert text.index("group critic:") < text.index("group actor:")
+    bundle = "{GPU: 1, CPU: c}" if torch.cuda.is_available() else "{CPU: c}"
+    assert f"placement: 2 bundles of {bundle}" in text and "the 2 trainer groups share them" in text
+    assert "rollout: each of the 2 actor ranks generates its own shard on its student" in text
+    assert "work per DP rank per rollout (DP size 2, 6 pairs per rank)" in text
+    assert "scoring: teacher" in text
+    assert "schedule: rollouts 0..3" in text and "saves after rollouts [1, 3]" in text
