@@ -8,18 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
-# trainer_support lives next to this file; train_diffusion.py is a script at the repository root.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
-
-from trainer_support import TESTS_FAST, make_args, make_pipeline, ray_session  # noqa: E402
-
-import train_diffusion  # noqa: E402
-from miles.eval.digits.data import write_digits_jsonl  # noqa: E402
-from miles.utils.tracking import MetricsTracker, read_metrics  # noqa: E402
-
-REPO = TESTS_FAST.parents[1]
+import train_diffusion
+from miles.eval.digits.data import write_digits_jsonl
+from miles.ray.actor_group import RayTrainGroup
+from miles.ray.placement_group import bundle_cpus, create_placement_groups, create_rollout_manager, trainer_resources
+from miles.utils.tracking import MetricsTracker, read_metrics
+from tests.support.ray import REPO
+from tests.support.trainer import make_args, make_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +39,22 @@ def _cli(pipeline, data, run_dir, *extra):
 
 
 def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, tmp_path, caplog):
-    import ray
-
+    was_initialized = ray.is_initialized()
+    pgs_before = ray.util.placement_group_table() if was_initialized else None
     argv = _cli(pipeline, data, tmp_path / "run", "--num-rollout", "5", "--save", str(tmp_path / "ckpt"))
-    with caplog.at_level(logging.INFO, logger="train_diffusion"):
+    with caplog.at_level(logging.INFO):
         train_diffusion.main([*argv, "--save-interval", "2", "--dry-run"])
     text = caplog.text
-    assert not ray.is_initialized()
-    assert "placement: 2 bundles of {'CPU': 1}" in text
+    # Nothing started: no Ray of its own, nothing placed on the session's cluster if one is up.
+    assert ray.is_initialized() is was_initialized
+    if was_initialized:
+        assert ray.util.placement_group_table() == pgs_before
+    assert "placement: 2 bundles of {CPU: c}" in text or "placement: 2 bundles of {GPU: 1, CPU: c}" in text
+    assert "rollout: none (--train-only): each actor rank reads its share of the data" in text
     assert "group actor: overrides {}" in text and "sft.prepare_sft_batch" in text
+    assert "work per DP rank per rollout (DP size 2, 4 pairs per rank)" in text
     assert "schedule: rollouts 0..4" in text and "saves after rollouts [1, 3, 4]" in text
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -68,7 +72,7 @@ def test_bad_paths_and_hooks_fail_before_ray_on_one_line_with_exit_2(pipeline, d
     argv = [part.format(tmp=tmp_path) for part in _cli(pipeline, data, tmp_path / "run", "--num-rollout", "1", *extra)]
     proc = subprocess.run(
         [sys.executable, str(REPO / "train_diffusion.py"), *argv],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env=os.environ.copy(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -80,38 +84,40 @@ def test_bad_paths_and_hooks_fail_before_ray_on_one_line_with_exit_2(pipeline, d
     assert not (tmp_path / "run").exists()
 
 
-def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(pipeline, data, tmp_path):
-    import ray
-
-    from miles.ray.actor_group import RayTrainGroup
-    from miles.ray.placement_group import create_placement_groups, create_rollout_manager, trainer_resources
-
+def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(ray_cluster, pipeline, data, tmp_path):
+    """A group "first" trains before the actor (as DMD2's critic does): rank i of the actor gets rank i's output of
+    "first" from the same rollout."""
     args = make_args(pipeline, tmp_path, prompt_data=str(data), num_rollout=2)
     first_args = make_args(
         pipeline,
         tmp_path,
         prompt_data=str(data),
-        custom_train_input_function_path="trainer_support.record_input_first",
-        custom_train_output_function_path="trainer_support.echo_output",
+        custom_train_input_function_path="tests.support.trainer.record_input_first",
+        custom_train_output_function_path="tests.support.trainer.echo_output",
     )
-    second_args = make_args(
+    actor_args = make_args(
         pipeline,
         tmp_path,
         prompt_data=str(data),
-        custom_train_input_function_path="trainer_support.record_input_second",
+        custom_train_input_function_path="tests.support.trainer.record_input_second",
     )
-    with ray_session(num_cpus=4):
-        pgs = create_placement_groups(args)
-        manager = create_rollout_manager(args, pgs)
-        gpus, cpus = trainer_resources(2, True, False)
-        groups = {
-            role: RayTrainGroup(group_args, role, 1, 2, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
-            for role, group_args in (("first", first_args), ("second", second_args))
-        }
+    pgs = create_placement_groups(args)
+    manager = create_rollout_manager(args)
+    gpus, cpus = trainer_resources(2, False, bundle_cpus(args))
+    groups = {
+        role: RayTrainGroup(group_args, role, 1, 2, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
+        for role, group_args in (("first", first_args), ("actor", actor_args))
+    }
+    try:
         ray.get([ref for group in groups.values() for ref in group.async_init()])
-        train_diffusion.run_rollouts(args, manager, groups, 0, MetricsTracker(args, job="driver"))
-        # Two groups share the devices: each sleeps right after its train.
-        assert ray.get(groups["first"].async_sleep_state()) == ["asleep", "asleep"]
+        train_diffusion.run_rollouts(args, manager, groups, None, 0, MetricsTracker(args, job="driver"))
+        # On the CPU the groups do not take turns: sleeping would free nothing (miles.driver.schedule.needs_sleep).
+        assert ray.get(groups["first"].async_sleep_state()) == ["awake", "awake"]
+    finally:
+        for group in groups.values():
+            group.shutdown()
+        ray.kill(manager)
+        ray.util.remove_placement_group(pgs["actor"][0])
 
     with open(Path(args.output_dir) / "handoff.jsonl") as f:
         records = sorted((json.loads(line) for line in f), key=lambda r: (r["rollout_id"], r["group"], r["dp_rank"]))
@@ -126,22 +132,41 @@ def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(
             assert (handed["rollout_id"], handed["dp_rank"]) == (record["rollout_id"], record["dp_rank"])
             assert handed["sample_indices"] == [4 * record["dp_rank"] + i for i in range(4)]
             assert handed["external"] == {}
-    perf = [r for r in read_metrics(args.output_dir) if r["job"] == "driver"]
+    # The driver writes every record (one job): each group's per-step train metrics and one perf record per rollout.
+    metrics = read_metrics(args.output_dir)
+    assert {r["job"] for r in metrics} == {"driver"}
+    perf = [r for r in metrics if "perf/step_time" in r]
     assert [r["rollout_id"] for r in perf] == [0, 1]
-    assert {"perf/rollout_time", "perf/first_train_time", "perf/second_train_time", "perf/step_time"} <= perf[0].keys()
-    assert {r["job"] for r in read_metrics(args.output_dir)} == {"driver", "first", "second"}
+    assert {
+        "perf/rollout_time",
+        "perf/actor-generate_time",
+        "perf/first_train_time",
+        "perf/first-train_steps_time",
+        "perf/first-train_output_time",
+        "perf/actor_train_time",
+        "perf/actor-train_steps_time",
+    } <= perf[0].keys()
+    assert not any(key.endswith("sleep_time") or key == "perf/sleep_wake_time" for key in perf[0])
+    assert [r["rollout_id"] for r in metrics if "train/first-loss" in r] == [0, 1]
+    assert [r["rollout_id"] for r in metrics if "train/loss" in r] == [0, 1]
 
 
 def _run(argv, run_dir):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS_FAST)}
+    """``python train_diffusion.py ARGV`` in a new process that joins the session's Ray cluster (``--ray-address``);
+    its per-step train records by rollout id."""
+    address = ray.get_runtime_context().gcs_address
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train_diffusion.py"), *argv], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "train_diffusion.py"), *argv, "--ray-address", address],
+        env=os.environ.copy(),  # the test environment (tests/support/ray.py)
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["rollout_id"]: r for r in read_metrics(run_dir) if r["job"] == "actor"}
+    return {r["rollout_id"]: r for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def test_cli_sft_on_digits_saves_exports_and_resumes_exactly(pipeline, data, tmp_path):
+def test_cli_sft_on_digits_saves_exports_and_resumes_exactly(ray_cluster, pipeline, data, tmp_path):
     from diffusers import SD3Transformer2DModel
 
     save, export = tmp_path / "ckpt", tmp_path / "student"
