@@ -1,30 +1,25 @@
 """DMD2 end to end through ``train_diffusion.main`` on a tiny random SD3 pipeline.
 
 One pipeline directory is the student's init, the frozen teacher and the critic's init at once, so the run also
-checks that nothing writes into the teacher: the export hard-links the pipeline's files. 2 DP ranks on CPU, critic
-and actor colocated with the engine, 3 rollouts, teacher CFG 2 (the negative prompt reaches the scoring).
+checks that nothing writes into the teacher: the export hard-links the pipeline's files. 2 DP ranks on CPU (each
+actor rank generates its own shard), critic and actor colocated, 3 rollouts, teacher CFG 2 (the negative prompt
+reaches the scoring). The runs join the session's Ray cluster.
 """
 
 import hashlib
 import json
 import math
 import os
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# train_diffusion.py is a script at the repository root; the SD3 builder lives in the model-family tests.
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent / "models")]
-
-from test_sd3_family import _tiny_sd3_pipeline  # noqa: E402
-
-import train_diffusion  # noqa: E402
-from miles.backends.fsdp_utils.checkpoint import read_latest  # noqa: E402
-from miles.models.digits_pipeline import read_sampling_schedule  # noqa: E402
-from miles.utils.tracking import read_metrics  # noqa: E402
+from miles.backends.fsdp_utils.checkpoint import read_latest
+from miles.models.digits_pipeline import read_sampling_schedule
+from miles.utils.tracking import read_metrics
+from tests.support.driver import run_main
+from tests.support.sd3 import tiny_sd3_pipeline
 
 PROMPTS = ["a red square", "a blue circle", "two green dots", "a yellow line", "a cat", "a dog"]
 ACTOR_METRICS = [
@@ -37,11 +32,15 @@ ACTOR_METRICS = [
     "train/x0_rel_max",
 ]
 CRITIC_METRICS = ["train/critic-loss", "train/critic-grad_norm", "train/critic-lr"]
+# The actor ranks generate (no engine replicas, so no perf/update_weights_time); on the CPU no group sleeps.
 PERF_METRICS = [
     "perf/rollout_time",
+    "perf/actor-generate_time",
     "perf/critic_train_time",
+    "perf/critic-train_steps_time",
+    "perf/critic-train_output_time",
     "perf/actor_train_time",
-    "perf/update_weights_time",
+    "perf/actor-train_steps_time",
     "perf/step_time",
 ]
 # Exactly reproduced on resume: everything except the wall-clock fields.
@@ -57,25 +56,6 @@ def _tree_hashes(root: Path) -> dict[str, str]:
     }
 
 
-def _main(argv: list[str]) -> None:
-    """``train_diffusion.main`` in this process; it starts and shuts down its own Ray cluster. Its SIGINT/SIGTERM
-    handlers are put back afterwards so pytest keeps its own."""
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    old_env = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the raylet, and so every worker, inherits this process's environment
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        for key, value in old_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def _argv(pipeline: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
@@ -85,23 +65,33 @@ def _argv(pipeline: Path, data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _by_job(out: Path) -> dict[str, dict[int, list[dict]]]:
-    """metrics.jsonl records as ``{job: {rollout_id: [records in file order]}}``."""
+def _kind(record: dict) -> str:
+    """Which figure a driver record carries: a critic or an actor optimizer step, or a rollout's perf timers."""
+    if "train/critic-loss" in record:
+        return "critic"
+    if "train/loss" in record:
+        return "actor"
+    return "perf" if "perf/step_time" in record else "other"
+
+
+def _by_kind(out: Path) -> dict[str, dict[int, list[dict]]]:
+    """metrics.jsonl records as ``{kind: {rollout_id: [records in file order]}}``; the driver writes them all."""
     grouped: dict[str, dict[int, list[dict]]] = {}
     for record in read_metrics(out):
-        grouped.setdefault(record["job"], {}).setdefault(record["rollout_id"], []).append(record)
+        assert record["job"] == "driver", record
+        grouped.setdefault(_kind(record), {}).setdefault(record["rollout_id"], []).append(record)
     return grouped
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("dmd2_e2e")
-    _, pipeline = _tiny_sd3_pipeline(root / "sd3")
+    _, pipeline = tiny_sd3_pipeline(root / "sd3")
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in PROMPTS))
     before = _tree_hashes(pipeline)
     save, export, out = root / "ckpt", root / "student", root / "full"
-    _main(_argv(pipeline, data, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
+    run_main(_argv(pipeline, data, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
     return {
         "root": root,
         "pipeline": pipeline,
@@ -109,17 +99,17 @@ def run(tmp_path_factory):
         "before": before,
         "save": save,
         "export": export,
-        "metrics": _by_job(out),
+        "metrics": _by_kind(out),
     }
 
 
 def test_every_rollout_logs_finite_actor_critic_and_perf_metrics(run):
     metrics = run["metrics"]
-    assert set(metrics) == {"actor", "critic", "driver"}
+    assert set(metrics) == {"actor", "critic", "perf"}
     for job, names, per_rollout in (
         ("actor", ACTOR_METRICS, 1),
         ("critic", CRITIC_METRICS, 2),  # K = 2 critic optimizer steps per rollout, one record each
-        ("driver", PERF_METRICS, 1),
+        ("perf", PERF_METRICS, 1),
     ):
         assert sorted(metrics[job]) == [0, 1, 2], job
         for rollout_id, records in metrics[job].items():
@@ -178,9 +168,9 @@ def test_resume_from_rollout_1_repeats_rollout_2_exactly(run):
     for directory in (save, Path(f"{save}_critic")):
         (directory / "latest").write_text("1\n")
     out = run["root"] / "resumed"
-    _main(_argv(run["pipeline"], run["data"], out, "--load", str(save)))
-    resumed = _by_job(out)
-    assert sorted(resumed["actor"]) == sorted(resumed["critic"]) == sorted(resumed["driver"]) == [2]
+    run_main(_argv(run["pipeline"], run["data"], out, "--load", str(save)))
+    resumed = _by_kind(out)
+    assert sorted(resumed["actor"]) == sorted(resumed["critic"]) == sorted(resumed["perf"]) == [2]
     for job in ("actor", "critic"):
         full_records, resumed_records = run["metrics"][job][2], resumed[job][2]
         assert len(resumed_records) == len(full_records)
