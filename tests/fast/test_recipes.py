@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import torch
+
+from tests.support.ray import REPO
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -27,9 +29,10 @@ def test_sd35_medium_dmd2_recipe_passes_its_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
-    # 8 ranks on one node, one bundle each (GPU bundles on a GPU machine, CPU bundles here).
-    assert re.search(r"placement: 8 bundles of \{('GPU': 1, )?'CPU': 1\}", log), log
-    assert "rollout manager: colocated on bundle 0" in log and "engine on" in log
+    # 8 ranks on one node, one bundle each (GPU bundles on a GPU machine, CPU bundles here); every rank generates.
+    assert re.search(r"placement: 8 bundles of \{(GPU: 1, )?CPU: c\}", log), log
+    assert "rollout: each of the 8 actor ranks generates its own shard on its student" in log
+    assert "work per DP rank per rollout (DP size 8, 10 pairs per rank)" in log
     # Both groups, the critic first: K = 5 steps at the critic lr from the teacher; the student one step at its lr.
     critic, actor = log.index("group critic:"), log.index("group actor:")
     assert critic < actor
@@ -39,7 +42,11 @@ def test_sd35_medium_dmd2_recipe_passes_its_dry_run(tmp_path):
     assert f"save': '{tmp_path / 'out' / 'ckpt'}_critic'" in critic_line
     assert "lr 2e-06, 1 optimizer steps per rollout" in actor_line and "teacher None" in actor_line
     assert "dmd2.dmd2_loss_formula" in actor_line
-    assert "schedule: rollouts 0..2999, sleep between trains: True, saves after rollouts [249, 499," in log
+    # The groups take turns on shared GPUs; the dry run reports what this machine would do.
+    sleeps = torch.cuda.is_available()
+    assert (
+        f"schedule: rollouts 0..2999, sleep between groups on GPUs: {sleeps}, saves after rollouts [249, 499," in log
+    )
     assert f"export {tmp_path / 'out' / 'student'}" in log
     # A dry run writes nothing: no run directory, no wandb files.
     assert not (tmp_path / "out").exists()
@@ -74,11 +81,13 @@ def test_digits_recipe_help():
         assert flag in proc.stdout
 
 
-def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(tmp_path):
-    # The README's main job with two rollouts per stage: data, init, teacher SFT, DMD2 student, evaluation.
+def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_path):
+    # The README's main job with two rollouts per stage: data, init, teacher SFT, DMD2 student, evaluation. Every
+    # train_diffusion.py stage joins the session's Ray cluster (ray.init reads RAY_ADDRESS) instead of starting one.
     out = tmp_path / "digits"
     cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    env = _env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for stage in ("init", "teacher", "student-4step-cfg3"):
         assert (out / stage / ".miles_stage_complete.json").is_file(), stage
@@ -98,7 +107,7 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(tmp_path):
     assert student.sampling_defaults["step_rule"] == "dmd2"
 
     # A rerun reuses every complete stage instead of training again.
-    again = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
     assert "train_diffusion.py" not in again.stderr
