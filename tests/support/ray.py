@@ -1,7 +1,8 @@
 """One local Ray cluster for the whole test session (``tests/fast/conftest.py`` starts it on first use).
 
-Ray workers import the test hooks of :mod:`tests.support.hooks` by dotted path, so the repository root goes on the
-``PYTHONPATH`` of every process Ray starts (the raylet inherits this process's environment).
+Ray workers import the test hooks of :mod:`tests.support.trainer` and :mod:`tests.support.rollout` by dotted path, so
+the repository root goes on the ``PYTHONPATH`` of every process Ray starts (the raylet inherits this process's
+environment).
 """
 
 import os
