@@ -186,8 +186,8 @@ def test_negative_cond_follows_its_consumers(pipeline, engine):
     # unguided: the negative cond does not change the rollout
     plain = stopping_engine(pipeline, engine.conditioner)
     plain.args.test_stop_steps = {0: 1, 1: 2}
-    assert torch.equal(plain.generate(prompt_shard(0, PROMPTS[:2], [0, 1]))[1].trajectory.x0_preds,
-                       samples[1].trajectory.x0_preds)  # fmt: skip
+    unguided = plain.generate(prompt_shard(0, PROMPTS[:2], [0, 1]))
+    assert torch.equal(unguided[1].trajectory.x0_preds, samples[1].trajectory.x0_preds)
     forced = make_engine(make_args(pipeline, "--encode-negative-prompt"), pipeline, conditioner=engine.conditioner)
     assert forced.generate(prompt_shard(0, PROMPTS[:1], [0]))[0].env.neg_cond
 
