@@ -139,18 +139,20 @@ def single_process_group(backend: str = "gloo", device_type: str = "cpu"):
         dist.destroy_process_group()
 
 
-def sharded_denoiser(family, pipeline: Path, mesh, trainable: bool = True, shard: bool = True):
-    """The pipeline's denoiser as the trainer loads it, ``fully_shard``-ed per block and root.
+def sharded_denoiser(family, pipeline: Path, mesh, trainable: bool = True, shard: bool = True, device="cpu"):
+    """The pipeline's denoiser as the trainer loads it, wrapped in FSDP2 in the trainer's default layout: one unit
+    (the root) whose parameters stay gathered after a forward until :func:`~miles.backends.fsdp_utils.model.reshard`
+    (ZeRO-2-like, ``miles.backends.fsdp_utils.model``).
 
-    The trainer leaves a 1-rank model unwrapped; ``shard=True`` (default) shards it anyway, as every rank of a
+    The trainer leaves a 1-rank model unwrapped; ``shard=True`` (default) wraps it anyway, as every rank of a
     multi-rank group is, so the 1-rank tests exercise FSDP2 and DCP. ``shard=False`` gives the plain module of a
     DP-1 run."""
     from miles.backends.fsdp_utils.model import is_sharded, load_frozen_denoiser, load_trainable_denoiser, shard_model
 
     load = load_trainable_denoiser if trainable else load_frozen_denoiser
-    model = load(family, str(pipeline), mesh, torch.device("cpu"), torch.float32)
+    model = load(family, str(pipeline), mesh, torch.device(device), torch.float32, reshard_after_forward=False)
     if shard and not is_sharded(model):
-        shard_model(model, family.blocks(model), mesh, torch.float32 if trainable else None)
+        shard_model(model, [], mesh, torch.float32 if trainable else None, reshard_after_forward=False)
     return model
 
 

@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 
+from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_windows
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
-from miles.backends.fsdp_utils.optimizer import lr_factor
 from miles.eval.digits.data import write_digits_jsonl
 from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
@@ -38,11 +38,11 @@ def family(pipeline):
     return get_model_family(pipeline)
 
 
-def _spawn(args, role="actor"):
+def _spawn(args, role="actor", load_rollout_id=None):
     pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
     ray.get(pg.ready())
     group = RayTrainGroup(args, role, 1, WORLD, (pg, list(range(WORLD))), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
-    starts = ray.get(group.async_init())
+    starts = ray.get(group.async_init(load_rollout_id))
     return group, pg, starts
 
 
@@ -145,13 +145,15 @@ def test_resume_reproduces_losses_and_weights(ray_cluster, pipeline, family, tmp
             losses_full[rollout_id] = results[0].metrics[0]["train/loss"]
             if rollout_id == 1:
                 ray.get(group.async_save(rollout_id, {"cursor": 16}))
+                checkpoint.commit([save], rollout_id)  # the driver commits once every group has saved
         weights_full = ray.get(group.async_get_full_state_dict())[0]
     finally:
         _teardown(group, pg)
     assert (save / "latest").read_text().strip() == "1"
 
     resumed = make_args(pipeline, tmp_path / "resumed", load=str(save))
-    group, pg, starts = _spawn(resumed)
+    assert checkpoint.read_data_state(save) == (1, {"cursor": 16})
+    group, pg, starts = _spawn(resumed, load_rollout_id=checkpoint.resume_rollout([save]))
     losses_resumed = {}
     try:
         assert starts == [2, 2]
@@ -285,14 +287,3 @@ def test_split_windows_even_and_uneven():
 def test_metric_keys_carry_non_actor_roles():
     assert metric_key("actor", "loss") == "train/loss"
     assert metric_key("critic", "grad_norm") == "train/critic-grad_norm"
-
-
-def test_lr_schedule_warmup_constant_cosine():
-    common = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=6)
-    assert [lr_factor(s, decay_style="constant", **common) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
-    cosine = [1e-3 * lr_factor(s, decay_style="cosine", **common) for s in range(8)]
-    # after warmup: min + (max - min)(1 + cos(pi p))/2 with p = (s - 2)/4, clamped at p = 1
-    expected = [5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 + 2**-0.5) / 2, 5.5e-4, 1e-4 + 9e-4 * (1 - 2**-0.5) / 2, 1e-4, 1e-4]
-    assert cosine == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ValueError, match="--lr-decay-style 'linear'"):
-        lr_factor(0, decay_style="linear", **common)

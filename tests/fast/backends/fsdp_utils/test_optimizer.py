@@ -1,12 +1,14 @@
-"""AdamW's multi-tensor (``foreach``) update is the per-tensor update's math, on FSDP2's DTensor parameters."""
+"""AdamW's multi-tensor (``foreach``) update is the per-tensor update's math, on FSDP2's DTensor parameters; the LR
+schedule's warmup, constant and cosine phases."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.model import shard_model
-from miles.backends.fsdp_utils.optimizer import build_optimizer
+from miles.backends.fsdp_utils.optimizer import build_optimizer, lr_factor
 from miles.models import get_model_family
 from tests.support.trainer import denoiser_loss, make_pipeline, single_process_group
 
@@ -46,3 +48,14 @@ def test_foreach_adamw_matches_the_per_tensor_update(tmp_path):
     init = get_model_family(pipeline).load_denoiser(pipeline)
     moved = max((fused[name] - p.detach()).abs().max().item() for name, p in init.named_parameters())
     assert moved > 1e-3
+
+
+def test_lr_schedule_warmup_constant_cosine():
+    common = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=6)
+    assert [lr_factor(s, decay_style="constant", **common) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [1e-3 * lr_factor(s, decay_style="cosine", **common) for s in range(8)]
+    # after warmup: min + (max - min)(1 + cos(pi p))/2 with p = (s - 2)/4, clamped at p = 1
+    expected = [5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 + 2**-0.5) / 2, 5.5e-4, 1e-4 + 9e-4 * (1 - 2**-0.5) / 2, 1e-4, 1e-4]
+    assert cosine == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="--lr-decay-style 'linear'"):
+        lr_factor(0, decay_style="linear", **common)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
+from miles.backends.fsdp_utils.model import reshard
 from miles.backends.fsdp_utils.optimizer import build_optimizer
 from miles.backends.fsdp_utils.sleep import ASLEEP, AWAKE, SleepController
 from miles.models import get_model_family
@@ -113,10 +113,8 @@ def test_sleep_moves_shards_off_the_gpu_and_back(pipeline):
     device = torch.device("cuda", 0)
     with single_process_group(backend="nccl", device_type="cuda") as mesh:
         torch.cuda.set_device(device)
-        model = load_trainable_denoiser(family, str(pipeline), mesh, device, torch.float32)
-        shard_model(model, family.blocks(model), mesh, torch.float32)
-        teacher = load_frozen_denoiser(family, str(pipeline), mesh, device, torch.float32)
-        shard_model(teacher, family.blocks(teacher), mesh, None)
+        model = sharded_denoiser(family, pipeline, mesh, device=device)
+        teacher = sharded_denoiser(family, pipeline, mesh, trainable=False, device=device)
         optimizer = build_optimizer([model], OPT_ARGS)
         denoiser_loss(family, model, seed=0).backward()
         optimizer.step()

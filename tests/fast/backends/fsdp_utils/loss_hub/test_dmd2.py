@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.backends.fsdp_utils.loss_hub.dmd2 import (
+    NORMALIZER_FLOOR,
     dmd2_loss_formula,
     predict_teacher_and_critic_x0,
     prepare_critic_batch,
@@ -493,14 +494,22 @@ def test_nonfinite_ratio_is_zeroed_and_counted():
     v = torch.randn(2, C, H, W, generator=torch.Generator().manual_seed(3))
     x0 = batch.latents - batch.extras["sigma"].float().view(-1, 1, 1, 1) * v
     scores = random_scores(pairs, seed=4)
-    scores["x0_real"][0] = x0[0]  # zero normalizer for pair 0: every ratio entry is ±inf or nan
-    scores["x0_fake"][0, 0] = x0[0, 0]  # ... and 0/0 = nan on channel 0
+    # A zero normalizer for pair 0 (the student equals the teacher's x0) is floored at NORMALIZER_FLOOR, so its
+    # ratio stays finite (it used to be ±inf / nan everywhere), and 0 on channel 0 where fake = real.
+    scores["x0_real"][0] = x0[0]
+    scores["x0_fake"][0, 0] = x0[0, 0]
+    # A non-finite critic score (pair 1, channel 0) makes those ratio entries non-finite: zeroed, and counted.
+    scores["x0_fake"][1, 0] = float("nan")
     ctx.external_data["critic"] = scores
     metrics: dict[str, list[float]] = {}
     loss = dmd2_loss_formula(ctx, pairs, batch, new_pred=v, metrics=metrics)
-    assert metrics["dmd2_nonfinite_frac"] == [1.0, 0.0]
-    assert math.isfinite(metrics["dmd2_loss"][1])
+    assert metrics["dmd2_nonfinite_frac"] == [0.0, 0.5]  # channel 0 of C = 2
+    assert all(math.isfinite(value) for value in metrics["dmd2_loss"]) and math.isfinite(loss.item())
     assert loss.dtype == torch.float32
+    # Pair 0's gradient is the ratio over the floor: (fake − real) / 1e-6, 0 on channel 0.
+    ratio = (scores["x0_fake"][0] - x0[0]) / NORMALIZER_FLOOR
+    assert metrics["dmd2_grad_abs_mean"][0] == pytest.approx(ratio.abs().mean().item(), rel=1e-5)
+    assert float(ratio[0].abs().max()) == 0.0
 
 
 def test_x0_rollout_train_gap_metrics():
