@@ -186,11 +186,14 @@ def test_save_hf_never_replaces_a_model_a_checkpoint_or_other_files(tmp_path):
     pipeline = tmp_path / "old_export"
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text("{}")
-    check("--save-hf", str(pipeline))  # an earlier export may be replaced
+    # An earlier export is replaced only when asked for (--overwrite-save-hf), never silently.
+    with pytest.raises(ArgumentValidationError, match="holds a pipeline already; add --overwrite-save-hf"):
+        check("--save-hf", str(pipeline))
+    check("--save-hf", str(pipeline), "--overwrite-save-hf")
     # Every trainer group's paths count: DMD2's critic loads --critic-load and saves to <save>_critic.
     dmd2 = ["--loss-type", "dmd2", "--teacher-load", str(tmp_path / "teacher"), "--dmd2-critic-steps-per-rollout", "1"]
     with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --hf-checkpoint"):
-        check(*dmd2, "--critic-load", str(pipeline), "--save-hf", str(pipeline))
+        check(*dmd2, "--critic-load", str(pipeline), "--save-hf", str(pipeline), "--overwrite-save-hf")
     with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --save"):
         check(*dmd2, "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "ckpt_critic"))
     with pytest.raises(ArgumentValidationError, match="--save-hf .* is also the critic group's --teacher-load"):

@@ -63,32 +63,35 @@ def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
     validate_inputs(_validate([*base, "--hf-checkpoint", str(tmp_path / "nope")]), check_paths=False)
 
 
-def _fake_checkpoint(save_dir, *rollout_ids):
-    """A checkpoint directory as far as ``read_data_state`` checks it: ``latest`` names the last of ``rollout_ids``."""
+def _fake_checkpoint(save_dir, *rollout_ids, commit=True):
+    """A checkpoint directory as far as ``resume_rollout`` checks it: complete ``rollout_<id>`` folders, and (with
+    ``commit``) ``latest`` naming the last of ``rollout_ids``."""
     for rollout_id in rollout_ids:
         (save_dir / f"rollout_{rollout_id}" / "dcp").mkdir(parents=True)
         (save_dir / f"rollout_{rollout_id}" / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id}))
         (save_dir / f"rollout_{rollout_id}" / "dcp" / ".metadata").write_text("")
-    (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
+    if commit:
+        (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
 
 
-def test_dmd2_load_needs_the_critic_checkpoint_of_the_same_rollout(tmp_path):
+def test_dmd2_load_needs_the_critic_checkpoint_of_the_committed_rollout(tmp_path):
+    """One commit (``<load>/latest``) names the rollout every group resumes from; the critic's ``<load>_critic``
+    must hold that rollout complete. A crash between the groups' saves leaves the commit at the previous rollout, so
+    no hand edit is needed (the old check asked to write the common rollout into the newer ``latest``)."""
     argv = [*BASE, "--rollout-batch-size", "4", "--loss-type", "dmd2", "--teacher-load", "/models/teacher"]
     argv += ["--dmd2-critic-steps-per-rollout", "1", "--load", str(tmp_path / "ckpt")]
     _fake_checkpoint(tmp_path / "ckpt", 1)
-    with pytest.raises(
-        ArgumentValidationError, match="also loads the critic group's checkpoint: .*ckpt_critic: no such"
-    ):
-        validate_inputs(_validate(argv), check_paths=False)
-    # The critic saves first: a crash before the actor's save leaves the critic one save ahead.
-    _fake_checkpoint(tmp_path / "ckpt_critic", 1, 3)
     with pytest.raises(ArgumentValidationError) as exc_info:
         validate_inputs(_validate(argv), check_paths=False)
-    message = str(exc_info.value)
-    expected = (
-        f"--load {tmp_path / 'ckpt'} holds rollout 1 but the critic group's {tmp_path / 'ckpt_critic'} holds rollout 3"
+    assert str(exc_info.value) == (
+        f"--load {tmp_path / 'ckpt'} committed rollout 1, but checkpoint {tmp_path / 'ckpt_critic' / 'rollout_1'} is "
+        "missing"
     )
-    assert message.startswith(expected), message
-    assert "write 1 into the newer one's 'latest' file" in message
-    (tmp_path / "ckpt_critic" / "latest").write_text("1\n")  # the fix the message asks for
+    # The critic saved one rollout further before the crash: its uncommitted rollout 2 does not matter.
+    _fake_checkpoint(tmp_path / "ckpt_critic", 1, 2, commit=False)
     validate_inputs(_validate(argv), check_paths=False)
+    # A commit at the last rollout leaves nothing to train.
+    (tmp_path / "ckpt" / "latest").write_text("2\n")
+    _fake_checkpoint(tmp_path / "ckpt", 2, commit=False)
+    with pytest.raises(ArgumentValidationError, match="committed rollout 2, the last of --num-rollout 3"):
+        validate_inputs(_validate(argv), check_paths=False)
