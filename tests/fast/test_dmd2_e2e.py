@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.checkpoint import read_latest
+from miles.backends.fsdp_utils.checkpoint import complete_rollouts, read_latest
 from miles.models.digits_pipeline import read_sampling_schedule
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
@@ -154,9 +154,11 @@ def test_teacher_pipeline_is_byte_identical_after_training_and_export(run):
     assert not read_sampling_schedule(teacher_config)["is_student"]
 
 
-def test_actor_and_critic_each_checkpoint_every_rollout_with_a_latest_pointer(run):
+def test_actor_and_critic_each_checkpoint_every_rollout_under_one_commit(run):
+    # One commit per rollout for both groups: `latest` lives in the actor's directory only.
+    assert read_latest(run["save"]) == 2 and not Path(f"{run['save']}_critic", "latest").exists()
     for directory, role in ((run["save"], "actor"), (Path(f"{run['save']}_critic"), "critic")):
-        assert read_latest(directory) == 2
+        assert complete_rollouts(directory) == [0, 1, 2]
         for rollout_id in (0, 1, 2):
             metadata = json.loads((directory / f"rollout_{rollout_id}" / "metadata.json").read_text())
             assert (metadata["rollout_id"], metadata["role"], metadata["world_size"]) == (rollout_id, role, 2)
@@ -164,9 +166,8 @@ def test_actor_and_critic_each_checkpoint_every_rollout_with_a_latest_pointer(ru
 
 def test_resume_from_rollout_1_repeats_rollout_2_exactly(run):
     save = run["save"]
-    # Point both groups' `latest` at rollout 1, as if the run had died during rollout 2.
-    for directory in (save, Path(f"{save}_critic")):
-        (directory / "latest").write_text("1\n")
+    # Point the commit at rollout 1, as if the run had died during rollout 2.
+    (save / "latest").write_text("1\n")
     out = run["root"] / "resumed"
     run_main(_argv(run["pipeline"], run["data"], out, "--load", str(save)))
     resumed = _by_kind(out)
