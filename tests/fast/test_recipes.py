@@ -95,10 +95,10 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     for row in ("teacher-28step-cfg3", "teacher-4step-cfg3", "teacher-1step-cfg3", "student-4step-cfg3", "real-train"):
         assert f"| {row} |" in summary, row
     assert (out / "eval-cfg3" / "student-4step-cfg3.png").is_file()
-    assert {row["name"] for row in json.loads((out / "summary.json").read_text())} >= {
-        "student-4step-cfg3",
-        "real-train",
-    }
+    summary_json = json.loads((out / "summary.json").read_text())
+    assert {row["name"] for row in summary_json["rows"]} >= {"student-4step-cfg3", "real-train"}
+    # The teacher's CFG sweep picks the distilled scale: its lowest FD is at the scale the student was named after.
+    assert min(summary_json["sweep"], key=lambda row: row["fd"])["guidance_scale"] == 3.0
     # The exported student samples with its own 4-step schedule by default.
     from miles.models.digits_pipeline import DigitsPipeline
 
@@ -110,6 +110,7 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
+    assert "[sweep] reusing" in again.stderr
     assert "train_diffusion.py" not in again.stderr
 
 
@@ -118,7 +119,7 @@ def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
     # after the teacher's training.
     for extra, message in (
         (["--ranks", "3"], "--ranks must be 1 or 2"),
-        (["--guidance-scale", "0.5"], "--guidance-scale must be >= 1"),
+        (["--guidance-scale", "0.5"], "--guidance-scale must be a number >= 1 (1 = no CFG), got 0.5"),
         (["--student-rollouts", "0"], "--student-rollouts must be >= 1, got 0"),
     ):
         cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--out", str(tmp_path / "out")]
