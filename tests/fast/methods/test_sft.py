@@ -3,7 +3,7 @@
 import pytest
 
 from miles.driver.arguments import parse_args
-from miles.driver.export import export_schedule
+from miles.driver.export import engine_schedule, export_schedule
 from miles.methods.sft import SFT_DEFAULT_HOOKS
 from tests.support.arguments import BASE
 from tests.support.arguments import rejected as _rejected
@@ -64,9 +64,11 @@ def test_teacher_load_accepted_with_each_custom_hook_alone(flag):
     assert args.teacher_load == "/models/teacher"
 
 
-def test_export_records_the_engine_schedule_only():
+def test_export_keeps_the_source_scheduler():
+    """An SFT model samples like its source (a teacher), so its export records no schedule of its own."""
     args = parse_args([*BASE, "--rollout-batch-size", "4", "--diffusion-step-rule", "euler"])
-    assert export_schedule(args) == {
+    assert export_schedule(args) is None
+    assert engine_schedule(args) == {
         "num_steps": 4,
         "shift": 3.0,
         "step_rule": "euler",
