@@ -716,8 +716,9 @@ class FSDPTrainRayActor:
         ``save_pretrained`` of an unsharded copy holding the trained weights; its scheduler config records the
         sampling schedule (:func:`miles.models.sampling_schedule.write_sampling_schedule` with ``schedule``'s
         keyword arguments; for a family with ``stock_scheduler``, the scheduler becomes the stock diffusers
-        scheduler of the student's rule and grid). Written to a temporary sibling and renamed into place, so a
-        crash never leaves a half-written pipeline at ``out_dir``.
+        scheduler of the student's rule and grid). With ``schedule`` None (an SFT export) the source's scheduler is
+        kept as it is. Written to a temporary sibling and renamed into place, so a crash never leaves a
+        half-written pipeline at ``out_dir``.
 
         Returns:
             ``out_dir``.
@@ -740,7 +741,8 @@ class FSDPTrainRayActor:
             model.load_state_dict(state_dict)
             shutil.rmtree(tmp / TRANSFORMER)
             model.save_pretrained(tmp / TRANSFORMER)
-            write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
+            if schedule is not None:  # None: the source's scheduler stays as copied (an SFT export)
+                write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
             if out.exists():
                 stale = out.parent / f".stale_{out.name}"
                 shutil.rmtree(stale, ignore_errors=True)
