@@ -178,6 +178,9 @@ def test_cli_sft_on_digits_saves_exports_and_resumes_exactly(ray_cluster, pipeli
     exported = SD3Transformer2DModel.from_pretrained(export / "transformer")
     initial = SD3Transformer2DModel.from_pretrained(pipeline / "transformer")
     assert (export / "model_index.json").read_text() == (pipeline / "model_index.json").read_text()
+    # An SFT model samples like its source: the export keeps the source's scheduler, no student schedule.
+    scheduler_config = Path("scheduler", "scheduler_config.json")
+    assert (export / scheduler_config).read_text() == (pipeline / scheduler_config).read_text()
     assert not torch.equal(exported.proj_out.weight, initial.proj_out.weight)
 
     # Resume from the rollout-1 checkpoint: rollouts 2 and 3 (data cursor included) repeat exactly.
