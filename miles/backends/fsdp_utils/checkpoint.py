@@ -324,8 +324,13 @@ def _any_rank(flag: bool) -> bool:
 def _cause(exc: BaseException, save_dir: str | Path | None = None) -> str:
     """The root cause of an error (DCP wraps each rank's error in a CheckpointException), on one line; a full disk
     is spelled out as "No space left on device", also when a writer reports it in its own words."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
+    while True:
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) of the first failed rank
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"No space left on device ({text})" if "No space left" not in text else text
