@@ -333,7 +333,7 @@ def _cause(exc: BaseException, save_dir: str | Path | None = None) -> str:
             break
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return f"No space left on device ({text})" if "No space left" not in text else text
+        return "No space left on device" + (f" (writing {exc.filename})" if exc.filename else "")
     if save_dir is not None and _disk_full(save_dir):
         return f"No space left on device ({text})"
     return text
