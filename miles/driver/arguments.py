@@ -527,10 +527,20 @@ def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[
 
 def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
-    trainer groups (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the method's
-    ``--critic-load``), each path once."""
-    paths = group_paths(args, ("hf_checkpoint", "teacher_load", "load", "save"))
-    if args.output_dir and all(os.path.realpath(args.output_dir) != os.path.realpath(p) for _, p in paths):
+    trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
+    method's ``--critic-load``)."""
+    from miles.utils.trainer_config import compute_trainer_args
+
+    paths = []
+    for config in get_method(args).trainer_configs(args):
+        group_args = compute_trainer_args(args, config)
+        for dest in ("hf_checkpoint", "teacher_load", "load", "save"):
+            value = getattr(group_args, dest, None)
+            if value:
+                paths.append(
+                    (flag(dest) if config.role == "actor" else f"the {config.role} group's {flag(dest)}", value)
+                )
+    if args.output_dir:
         paths.append(("--output-dir", args.output_dir))
     return paths
 
@@ -558,7 +568,7 @@ NUMBER_RULES: dict[str, dict] = {
     "adam_beta2": {"low": 0, "high": 1, "high_open": True},
     "adam_eps": {"low": 0, "low_open": True},
     "weight_decay": {"low": 0},
-    "clip_grad": {"low": 0, "hint": "(0 disables clipping)"},
+    "clip_grad": {"low": 0},
     "lr_warmup_steps": {"low": 0},
     "max_skipped_steps": {"low": 1},
     "ema_decay": {"low": 0, "high": 1, "low_open": True, "high_open": True, "hint": "(e.g. 0.99)"},

@@ -132,6 +132,8 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
     from miles.models import get_model_family
 
     (student_flag, student), *others = pipelines
+    if not others:
+        return
     family = get_model_family(student, args.diffusion_model_family)
     reference = _signature(student, family)
     for other_flag, other in others:

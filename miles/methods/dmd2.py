@@ -165,7 +165,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         )
     ratios = (args.dmd2_min_timestep_ratio, args.dmd2_max_timestep_ratio)
     for name, value in zip(("--dmd2-min-timestep-ratio", "--dmd2-max-timestep-ratio"), ratios):
-        check_number(name, value, low=0, high=1)
+        check_number(name, value)
     if not 0 <= ratios[0] < ratios[1] <= 1:
         reject(f"need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got {ratios}")
     for flag, value in (
@@ -173,7 +173,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         ("--dmd2-gan-gen-weight", args.dmd2_gan_gen_weight),
     ):
         check_number(flag, value, low=0)
-    check_number("--dmd2-gan-max-timestep-ratio", args.dmd2_gan_max_timestep_ratio, low=0, high=1)
+    check_number("--dmd2-gan-max-timestep-ratio", args.dmd2_gan_max_timestep_ratio)
     if not args.dmd2_min_timestep_ratio < args.dmd2_gan_max_timestep_ratio <= 1:
         reject(
             f"need --dmd2-min-timestep-ratio < --dmd2-gan-max-timestep-ratio <= 1, got "
