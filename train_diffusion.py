@@ -17,7 +17,10 @@ Train the bundled digits pipeline with SFT on 2 CPU ranks::
         --micro-batch-size 16 --num-rollout 150 --lr 1e-3 --save /tmp/ckpt --save-interval 50 \\
         --output-dir outputs/digits_sft
 
-Add ``--load /tmp/ckpt`` to resume at the rollout after the newest checkpoint.
+Add ``--load /tmp/ckpt`` to resume at the rollout after the newest checkpoint. What is checked before Ray starts,
+what a crash costs and what is never overwritten: docs/reliability.md. Exit codes: 0 done, 1 a failure at run time
+(one line naming the group, rank and rollout), 2 a bad command (one line naming the flag or path), 130 Ctrl-C,
+143 SIGTERM.
 """
 
 import logging
@@ -44,24 +47,24 @@ class DeviceTurns:
     the group whose turn it is stays awake; the others sleep (their state on the CPU)."""
 
     def __init__(self, groups: dict, enabled: bool) -> None:
-        import ray
-
         self.groups, self.enabled, self.awake = groups, enabled, None
         if enabled:
             # The actor generates first: everyone else starts asleep.
-            ray.get([ref for role, group in groups.items() if role != "actor" for ref in group.async_sleep()])
+            for role, group in groups.items():
+                if role != "actor":
+                    group.get(group.async_sleep(), "sleep")
             self.awake = "actor"
 
     def hand_to(self, role: str, perf: dict[str, float]) -> None:
         """Put the awake group to sleep and wake ``role`` (no-op when it is awake or turns are off)."""
-        import ray
-
         if not self.enabled or self.awake == role:
             return
         with _timer(perf, "perf/sleep_wake_time"):
             if self.awake is not None:
-                perf[f"perf/{self.awake}-sleep_time"] = max(ray.get(self.groups[self.awake].async_sleep()))
-            perf[f"perf/{role}-wake_time"] = max(ray.get(self.groups[role].async_wake_up()))
+                asleep = self.groups[self.awake]
+                perf[f"perf/{self.awake}-sleep_time"] = max(asleep.get(asleep.async_sleep(), "sleep"))
+            group = self.groups[role]
+            perf[f"perf/{role}-wake_time"] = max(group.get(group.async_wake_up(), "wake_up"))
         self.awake = role
 
 
@@ -74,11 +77,10 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
         engines: the ``--rollout-num-gpus`` ``EngineGroup``, or None when the actor ranks generate.
         tracker: the driver's ``MetricsTracker``: every train, perf and eval figure of the run.
     """
-    import ray
-
     from miles.driver.console import RolloutProgress
     from miles.driver.evaluation import maybe_evaluate
     from miles.driver.schedule import needs_sleep, should_save
+    from miles.ray.errors import get_all
     from miles.ray.placement_group import use_gpu_bundles
     from miles.utils.health import alarms
 
@@ -86,49 +88,58 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
     turns = DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
     progress = RolloutProgress(args, start_rollout_id)
     alarmed: set[str] = set()  # health figures outside their threshold, warned about once until they recover
-    for rollout_id in range(start_rollout_id, args.num_rollout):
-        perf: dict[str, float] = {}
-        step_start = time.perf_counter()
-        with _timer(perf, "perf/rollout_time"):
-            shards = ray.get(rollout_manager.generate.remote(rollout_id))
+    try:
+        for rollout_id in range(start_rollout_id, args.num_rollout):
+            perf: dict[str, float] = {}
+            step_start = time.perf_counter()
+            with _timer(perf, "perf/rollout_time"):
+                (shards,) = get_all(
+                    [rollout_manager.generate.remote(rollout_id)], "rollout manager", "generate", rollout_id
+                )
+                if engines is not None:
+                    refs = engines.async_generate(rollout_id, shards)
+                    runs = get_all(refs, [f"engine replica {i}" for i in range(len(refs))], "generate", rollout_id)
+                    results = [result for run in runs for result in run]
+                else:
+                    turns.hand_to("actor", perf)
+                    results = actor.get(actor.async_generate(rollout_id, shards), "generate", rollout_id)
+            pairs = [result.pairs for result in results]
+            perf.update(results[0].perf)
+            outs, step_metrics = {}, {}
+            for role, group in groups.items():
+                turns.hand_to(role, perf)
+                with _timer(perf, f"perf/{role}_train_time"):
+                    # Earlier groups' boxes only: the payloads stay in the object store until rank i unboxes them.
+                    trained = group.get(
+                        group.async_train(rollout_id, pairs, external_data=dict(outs)), "train", rollout_id
+                    )
+                outs[role] = [result.output for result in trained]
+                perf.update(trained[0].perf)
+                for metrics in trained[0].metrics:
+                    tracker.log(metrics, rollout_id)
+                step_metrics.update(trained[0].metrics[-1] if trained[0].metrics else {})
+            current = {alarm.split("=")[0]: alarm for alarm in alarms(step_metrics)}
+            for name in sorted(set(current) - alarmed):
+                progress.note(f"warning: rollout {rollout_id}: {current[name]}; the student may be collapsing")
+            alarmed = set(current)
             if engines is not None:
-                results = [result for run in ray.get(engines.async_generate(rollout_id, shards)) for result in run]
-            else:
-                turns.hand_to("actor", perf)
-                results = ray.get(actor.async_generate(rollout_id, shards))
-        pairs = [result.pairs for result in results]
-        perf.update(results[0].perf)
-        outs, step_metrics = {}, {}
-        for role, group in groups.items():
-            turns.hand_to(role, perf)
-            with _timer(perf, f"perf/{role}_train_time"):
-                # Earlier groups' boxes only: the payloads stay in the object store until rank i unboxes them.
-                trained = ray.get(group.async_train(rollout_id, pairs, external_data=dict(outs)))
-            outs[role] = [result.output for result in trained]
-            perf.update(trained[0].perf)
-            for metrics in trained[0].metrics:
-                tracker.log(metrics, rollout_id)
-            step_metrics.update(trained[0].metrics[-1] if trained[0].metrics else {})
-        current = {alarm.split("=")[0]: alarm for alarm in alarms(step_metrics)}
-        for name in sorted(set(current) - alarmed):
-            progress.note(f"warning: rollout {rollout_id}: {current[name]}; the student may be collapsing")
-        alarmed = set(current)
-        if engines is not None:
-            with _timer(perf, "perf/update_weights_time"):
-                ray.get(actor.async_update_weights(engines.engines))
-        # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
-        if should_save(args, rollout_id):
-            with _timer(perf, "perf/save_time"):
-                save_rollout(args, rollout_id, rollout_manager, groups)
-            progress.note(f"saved rollout {rollout_id} to {args.save}")
-        with _timer(perf, "perf/eval_time"):
-            eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
-        if eval_metrics:
-            progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
-        perf["perf/step_time"] = time.perf_counter() - step_start
-        tracker.log(perf, rollout_id)
-        progress.update(rollout_id, {**step_metrics, **perf})
-    progress.close()
+                with _timer(perf, "perf/update_weights_time"):
+                    actor.get(actor.async_update_weights(engines.engines), "update_weights", rollout_id)
+            # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
+            if should_save(args, rollout_id):
+                with _timer(perf, "perf/save_time"):
+                    save_rollout(args, rollout_id, rollout_manager, groups)
+                progress.note(f"saved rollout {rollout_id} to {args.save}")
+            with _timer(perf, "perf/eval_time"):
+                eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
+            if eval_metrics:
+                progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
+            perf["perf/step_time"] = time.perf_counter() - step_start
+            tracker.log(perf, rollout_id)
+            progress.update(rollout_id, {**step_metrics, **perf})
+    finally:
+        # A failure's one line must start on a line of its own, not after the bar.
+        progress.close()
 
 
 def group_dirs(args, name: str) -> list[str]:
@@ -143,14 +154,13 @@ def group_dirs(args, name: str) -> list[str]:
 def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
     """One commit: every group saves the rollout (the actor's with the data cursor), then ``<save>/latest`` moves
     to it, then old checkpoints beyond ``--save-keep-last`` go. A crash before the commit costs this rollout only."""
-    import ray
-
     from miles.backends.fsdp_utils.checkpoint import commit, prune
+    from miles.ray.errors import get_all
 
-    data_state = ray.get(rollout_manager.state_dict.remote())
+    (data_state,) = get_all([rollout_manager.state_dict.remote()], "rollout manager", "state_dict", rollout_id)
     # One group at a time: a sleeping group wakes onto the shared device to save.
     for role, group in groups.items():
-        ray.get(group.async_save(rollout_id, data_state if role == "actor" else None))
+        group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
     dirs = group_dirs(args, "save")
     commit(dirs, rollout_id)
     for path in prune(dirs, rollout_id, args.save_keep_last, args.save_keep_every):
@@ -160,27 +170,42 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
 def train(args) -> None:
     """Place and start the rollout manager, the trainer groups (and engine replicas), resume if asked, run the
     rollouts, export the student."""
-    import ray
-
-    from miles.backends.fsdp_utils.checkpoint import read_data_state, remove_uncommitted, resume_rollout
+    from miles.backends.fsdp_utils.checkpoint import (
+        read_data_state,
+        remove_checkpoints,
+        remove_uncommitted,
+        resume_rollout,
+    )
+    from miles.driver.arguments import run_paths
     from miles.driver.console import log_groups_ready
     from miles.driver.export import export_schedule
     from miles.methods import compute_trainer_configs, get_method
+    from miles.ray.errors import get_all
     from miles.ray.placement_group import (
         create_engine_group,
         create_placement_groups,
         create_rollout_manager,
         create_training_models,
     )
-    from miles.utils.tracking import MetricsTracker
+    from miles.utils.paths import check_export_target
+    from miles.utils.tracking import MetricsTracker, drop_records_from
 
     start_time = time.perf_counter()
     load_rollout_id = resume_rollout(group_dirs(args, "load")) if args.load else None
-    if args.save:
+    if args.save and args.overwrite_save:
+        # Preflight made sure this is not what --load resumes from; only the entries checkpoint.py writes go.
+        for path in remove_checkpoints(group_dirs(args, "save")):
+            logger.info("removed %s (--overwrite-save)", path)
+    elif args.save:
         # What a crashed rollout left in the directories this run writes: partial and uncommitted checkpoints.
         committed = load_rollout_id if args.load and _same_dir(args.load, args.save) else None
         for path in remove_uncommitted(group_dirs(args, "save"), committed):
             logger.info("removed %s (not committed by the run that wrote it)", path)
+    if load_rollout_id is not None:
+        # The resumed rollouts log again: their records of an earlier attempt in this --output-dir go.
+        dropped = drop_records_from(args.output_dir, load_rollout_id + 1)
+        if dropped:
+            logger.info("dropped %d metrics records of rollouts after %d (logged again)", dropped, load_rollout_id)
     started = []  # what this run starts, ended in reverse order whatever happens
     tracker = None
     try:
@@ -200,14 +225,18 @@ def train(args) -> None:
         if load_rollout_id is not None:
             _, data_state = read_data_state(args.load, load_rollout_id)
             if data_state is not None:
-                ray.get(rollout_manager.load_state_dict.remote(data_state))
+                get_all([rollout_manager.load_state_dict.remote(data_state)], "rollout manager", "load_state_dict")
         if engines is not None:
             # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
-            ray.get(actor.async_update_weights(engines.engines))
+            actor.get(actor.async_update_weights(engines.engines), "update_weights")
         tracker = MetricsTracker(args, job="driver")
         run_rollouts(args, rollout_manager, groups, engines, start, tracker)
         if args.save_hf:
-            ray.get(actor.async_export_hf(args.save_hf, export_schedule(args)))
+            # Checked again now (the directory may have appeared during the training), and by the writing rank
+            # right before it renames the export into place.
+            paths = run_paths(args)
+            check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, paths)
+            actor.get(actor.async_export_hf(args.save_hf, export_schedule(args), paths), "export_hf")
             logger.info("exported the student to %s", args.save_hf)
     finally:
         if tracker is not None:
@@ -235,8 +264,34 @@ def _end(started: list) -> None:
             logger.debug("could not end %s %s", kind, handle, exc_info=True)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver; ``signum`` says which (the exit code is 128 + it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _fail(message: str, code: int, details: str = "") -> None:
+    """Print ``train_diffusion.py: error: <message>`` (and the worker's traceback below it) and exit with ``code``."""
+    print(f"train_diffusion.py: error: {message}", file=sys.stderr)
+    if details:
+        print(details, file=sys.stderr)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv``; ``--dry-run`` logs the plan and returns; otherwise start Ray, train, and shut Ray down."""
+    """Parse ``argv``; ``--dry-run`` logs the plan and returns; otherwise start Ray, train, and shut Ray down.
+
+    A bad command exits with code 2 and one line naming the flag or path (before Ray starts, or before the export
+    for a ``--save-hf`` directory that appeared during training); a failed or dead Ray worker with code 1 and one
+    line naming the group, rank, method and rollout, the worker's own traceback below it. SIGINT and SIGTERM raise
+    :class:`Interrupted` after Ray is shut down.
+    """
     from miles.driver.arguments import parse_args
     from miles.driver.preflight import validate_inputs
     from miles.utils.log import setup_logging
@@ -249,29 +304,49 @@ def main(argv: list[str] | None = None) -> None:
         # the cluster).
         validate_inputs(args, check_paths=not args.dry_run)
     except ArgumentValidationError as exc:
-        print(f"train_diffusion.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(exc), 2)
     if args.dry_run:
         from miles.driver.plan import log_plan
 
         log_plan(args)
         return
     import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from miles.ray.errors import WorkerError, describe_failure
 
     # Ray 2.60 wants an auth mode for local clusters; the driver and its workers are all local processes.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # The driver reports a group's first failure itself; the refs of the ranks it never waited for would otherwise
+    # each print their error again when collected.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     owns_ray = not ray.is_initialized()
     if owns_ray:
+        if args.ray_address is None:
+            from miles.driver.watchdog import start_watchdog
+
+            # Ends the local cluster's processes should this process die without shutting Ray down (kill -9); after a
+            # clean shutdown it finds nothing left and exits.
+            start_watchdog()
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C; set after ray.init, which installs its own
-    # handlers. SIGINT is reset too: a driver started in the background inherits it ignored.
+    # handlers. SIGINT is set too: a driver started in the background inherits it ignored.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.default_int_handler)
+        signal.signal(signum, _interrupt)
     try:
         train(args)
-    except KeyboardInterrupt:
-        logger.warning("interrupted; shutting down Ray")
+    except Interrupted as exc:
+        logger.warning("interrupted by %s; shutting down Ray", exc)
         raise
+    except ArgumentValidationError as exc:
+        _fail(str(exc), 2)
+    except WorkerError as exc:
+        _fail(exc.summary, 1, exc.details)
+    except (RayTaskError, RayActorError) as exc:
+        # A worker call outside the driver's per-group waits (an evaluation, a method's debug grid).
+        who = getattr(exc, "function_name", None) or "a Ray worker"
+        failure = describe_failure(exc, "a Ray worker", who.rsplit(".", 1)[-1])
+        _fail(failure.summary, 1, failure.details)
     finally:
         if owns_ray:
             # Ends every actor of this job, so no trainer or engine process outlives the driver.
@@ -281,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
+    except Interrupted as exc:
+        # Ray is already shut down (main's finally); the user or the scheduler asked to stop, so no traceback.
+        sys.exit(128 + exc.signum)
     except KeyboardInterrupt:
-        # Ray is already shut down (main's finally); the user asked to stop, so no traceback. 130 = 128 + SIGINT.
         sys.exit(130)

@@ -43,6 +43,6 @@ python train_diffusion.py \
   --dmd2-critic-scoring fused \
   --lr 2e-6 --critic-lr 8e-6 --clip-grad 1.0 \
   --save "$OUT/ckpt" --save-interval 250 --save-hf "$OUT/student" \
-  --output-dir "$OUT" --eval-interval 250 --eval-n-samples-per-prompt 1 \
+  --output-dir "$OUT/run" --eval-interval 250 --eval-n-samples-per-prompt 1 \
   --use-wandb --wandb-project miles-dmd2 \
   "${extra[@]}" "$@"

@@ -11,13 +11,17 @@ import argparse
 import os
 
 from miles.methods import METHODS, get_method
-from miles.utils.validation import ArgumentValidationError, dp_size, reject, rollout_pairs
+from miles.utils.paths import check_export_target
+from miles.utils.validation import ArgumentValidationError, check_number, dp_size, flag, reject, rollout_pairs
 
 __all__ = [
     "ArgumentValidationError",
     "build_parser",
+    "group_paths",
     "method_flag_dests",
+    "NUMBER_RULES",
     "parse_args",
+    "run_paths",
     "set_default_diffusion_args",
     "validate_args",
 ]
@@ -166,7 +170,7 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
         "--max-skipped-steps",
         type=int,
         default=3,
-        help="Optimizer steps in a row a group may skip for a non-finite gradient norm before the run stops.",
+        help="Optimizer steps in a row (>= 1) a group may skip for a non-finite gradient norm before the run stops.",
     )
     group.add_argument(
         "--ema-decay",
@@ -264,6 +268,12 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "--overwrite-save-hf",
         action="store_true",
         help="Let --save-hf replace an existing pipeline directory (never anything else).",
+    )
+    group.add_argument(
+        "--overwrite-save",
+        action="store_true",
+        help="Let --save start afresh in a directory holding another run's checkpoints: removes their latest, "
+        "rollout_* and temporary entries (in every group's directory), never other files.",
     )
     group.add_argument(
         "--save-keep-last",
@@ -404,13 +414,13 @@ def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def validate_batch_args(args: argparse.Namespace) -> None:
     """Reject batch sizes that do not split exactly: nothing is ever dropped silently."""
-    for flag, value in (
+    for name, value in (
         ("--num-rollout", args.num_rollout),
         ("--rollout-batch-size", args.rollout_batch_size),
     ):
         if value is None or value < 1:
-            reject(f"{flag} must be a positive integer, got {value}")
-    for flag, value in (
+            reject(f"{name} must be a positive integer, got {value}")
+    for name, value in (
         ("--n-samples-per-prompt", args.n_samples_per_prompt),
         ("--num-steps-per-rollout", args.num_steps_per_rollout),
         ("--micro-batch-size", args.micro_batch_size),
@@ -419,7 +429,7 @@ def validate_batch_args(args: argparse.Namespace) -> None:
         ("--diffusion-num-steps", args.diffusion_num_steps),
     ):
         if value < 1:
-            reject(f"{flag} must be >= 1, got {value}")
+            reject(f"{name} must be >= 1, got {value}")
     total = rollout_pairs(args)
     if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
         if total % args.num_steps_per_rollout == 0:
@@ -475,26 +485,50 @@ def validate_args(args: argparse.Namespace) -> None:
         reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         reject("--save-interval needs --save and must be >= 1")
+    if args.overwrite_save and not args.save:
+        reject("--overwrite-save needs --save (the directory to start afresh in)")
+    if args.overwrite_save and args.load and os.path.realpath(args.load) == os.path.realpath(args.save):
+        reject(f"--overwrite-save would remove the checkpoints --load {args.load} resumes from; drop one of them")
     if args.save_hf:
-        # The export replaces its directory wholesale: it must not be a model, a checkpoint or the run directory.
-        export = os.path.realpath(args.save_hf)
-        for flag, value in run_paths(args):
-            if os.path.realpath(value) == export:
-                reject(f"--save-hf {args.save_hf} is also {flag}; export to a directory of its own")
-        if os.path.isdir(export) and os.listdir(export):
-            if not os.path.isfile(os.path.join(export, "model_index.json")):
-                reject(f"--save-hf {args.save_hf} exists and is not a pipeline directory; export somewhere else")
-            if not args.overwrite_save_hf:
-                reject(f"--save-hf {args.save_hf} holds a pipeline already; add --overwrite-save-hf to replace it")
-    if args.eval_interval is not None and args.eval_interval < 1:
-        reject(f"--eval-interval must be >= 1, got {args.eval_interval}")
+        # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
+        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
     validate_number_args(args)
     get_method(args).validate(args)
 
 
+def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(flag, path)`` of the paths ``dests`` name over all trainer groups, each path once, the actor's first
+    where groups share one. A group's own value is labelled by the flag that set it: the critic's init is
+    ``--critic-load``, its save directory "the critic group's --save"."""
+    from miles.utils.trainer_config import compute_trainer_args
+
+    method_dests = method_flag_dests().get(args.loss_type, set())
+    configs = sorted(get_method(args).trainer_configs(args), key=lambda config: config.role != "actor")
+    paths, seen = [], set()
+    for config in configs:
+        group_args = compute_trainer_args(args, config)
+        for dest in dests:
+            value = getattr(group_args, dest, None)
+            if not value or os.path.realpath(value) in seen:
+                continue
+            seen.add(os.path.realpath(value))
+            if config.role == "actor" or getattr(args, dest, None) == value:
+                label = flag(dest)
+            else:
+                # The flag the user set it with: a generic one first (the critic's default init is --teacher-load),
+                # then the method's own (--critic-load).
+                candidates = [name for name in ("hf_checkpoint", "teacher_load", "load", "save")]
+                candidates += sorted(method_dests)
+                own = [name for name in candidates if getattr(args, name, None) == value]
+                label = flag(own[0]) if own else f"the {config.role} group's {flag(dest)}"
+            paths.append((label, value))
+    return paths
+
+
 def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
-    trainer groups (a group's ``--save`` may be a sibling such as ``<save>_critic``)."""
+    trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
+    method's ``--critic-load``)."""
     from miles.utils.trainer_config import compute_trainer_args
 
     paths = []
@@ -503,8 +537,9 @@ def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
         for dest in ("hf_checkpoint", "teacher_load", "load", "save"):
             value = getattr(group_args, dest, None)
             if value:
-                label = f"--{dest.replace('_', '-')}"
-                paths.append((label if config.role == "actor" else f"the {config.role} group's {label}", value))
+                paths.append(
+                    (flag(dest) if config.role == "actor" else f"the {config.role} group's {flag(dest)}", value)
+                )
     if args.output_dir:
         paths.append(("--output-dir", args.output_dir))
     return paths
@@ -524,19 +559,48 @@ def validate_method_flags(args: argparse.Namespace) -> None:
                 )
 
 
+# Every generic numeric flag: dest -> check_number's bounds (None values, flags left unset, are skipped). Batch
+# sizes and counts are validate_batch_args'; each method checks its own flags in its validate().
+NUMBER_RULES: dict[str, dict] = {
+    "lr": {"low": 0},
+    "min_lr": {"low": 0},
+    "adam_beta1": {"low": 0, "high": 1, "high_open": True},
+    "adam_beta2": {"low": 0, "high": 1, "high_open": True},
+    "adam_eps": {"low": 0, "low_open": True},
+    "weight_decay": {"low": 0},
+    "clip_grad": {"low": 0},
+    "lr_warmup_steps": {"low": 0},
+    "max_skipped_steps": {"low": 1},
+    "ema_decay": {"low": 0, "high": 1, "low_open": True, "high_open": True, "hint": "(e.g. 0.99)"},
+    "fsdp_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
+    "diffusion_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
+    "diffusion_guidance_scale": {"low": 0, "hint": "(1 = no CFG)"},
+    "sft_uncond_prob": {"low": 0, "high": 1, "high_open": True},
+    "rollout_num_gpus": {"low": 0},
+    "num_cpus_per_rank": {"low": 1},
+    "global_batch_size": {"low": 1},
+    "save_interval": {"low": 1},
+    "save_keep_last": {"low": 1},
+    "save_keep_every": {"low": 1},
+    "eval_interval": {"low": 1},
+    "eval_n_samples_per_prompt": {"low": 1},
+    "seed": {"low": 0},
+    "rollout_seed": {"low": 0},
+}
+
+
 def validate_number_args(args: argparse.Namespace) -> None:
-    """Reject numbers that no run can use (a negative learning rate, warmup or engine bundle count, a flow shift
-    <= 0), which would otherwise fail inside a Ray worker, or silently train the wrong way."""
-    for flag in ("lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_steps", "rollout_num_gpus"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 0:
-            reject(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
-    if args.fsdp_flow_shift is None or args.fsdp_flow_shift <= 0:
-        reject(f"--fsdp-flow-shift must be > 0 (e.g. 3.0), got {args.fsdp_flow_shift}")
-    if args.diffusion_flow_shift <= 0:
-        reject(f"--diffusion-flow-shift must be > 0 (e.g. 3.0), got {args.diffusion_flow_shift}")
-    if args.eval_n_samples_per_prompt < 1:
-        reject(f"--eval-n-samples-per-prompt must be >= 1, got {args.eval_n_samples_per_prompt}")
+    """Reject numbers that no run can use: NaN or infinite values (argparse's ``float`` takes ``nan`` and ``inf``),
+    values outside their range (:data:`NUMBER_RULES`), ``--min-lr`` above ``--lr``, which would otherwise fail
+    inside a Ray worker, or silently train the wrong way (``--clip-grad nan`` turns clipping off)."""
+    for dest, bounds in NUMBER_RULES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            check_number(flag(dest), value, **bounds)
+    if args.min_lr > args.lr:
+        reject(f"--min-lr {args.min_lr} must be <= --lr {args.lr} (the cosine schedule decays from --lr to it)")
+    if args.save_keep_every is not None and args.save_keep_last is None:
+        reject("--save-keep-every only spares checkpoints that --save-keep-last would prune: add --save-keep-last")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

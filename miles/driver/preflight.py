@@ -8,8 +8,9 @@ the data (``check_paths=False``).
 
 import argparse
 import os
+from pathlib import Path
 
-from miles.utils.validation import reject
+from miles.utils.validation import flag, reject
 
 __all__ = ["HOOK_FLAGS", "validate_inputs"]
 
@@ -42,9 +43,9 @@ def _check_records(flag: str, path: str, input_key: str, image_key: str | None =
     from miles.rollout.data_source import JsonlPromptSource
 
     try:
-        records = JsonlPromptSource(path, input_key=input_key, shuffle=False).records
+        records = JsonlPromptSource(path, input_key=input_key, shuffle=False, flag=flag).records
     except (OSError, ValueError) as exc:
-        reject(str(exc).replace("--prompt-data", flag, 1) if flag != "--prompt-data" else str(exc))
+        reject(str(exc))
     if image_key is not None:
         for number, record in enumerate(records, start=1):
             if image_key not in record:
@@ -79,20 +80,45 @@ def _check_inline_images(args: argparse.Namespace, records: list) -> None:
 
 def _group_pipelines(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(flag, path)`` of every pipeline a trainer group loads: its init (``--hf-checkpoint``, the critic's
-    ``--critic-load``) and its frozen teacher, each once."""
-    from miles.methods import compute_trainer_configs
-    from miles.utils.trainer_config import compute_trainer_args
+    ``--critic-load``) and its frozen teacher, each once, the student's first."""
+    from miles.driver.arguments import group_paths
 
-    seen, pipelines = set(), []
-    for config in compute_trainer_configs(args):
-        group_args = compute_trainer_args(args, config)
-        for dest in ("hf_checkpoint", "teacher_load"):
-            path = getattr(group_args, dest, None)
-            if path and path not in seen:
-                seen.add(path)
-                role = "" if config.role == "actor" else f"the {config.role} group's "
-                pipelines.append((f"{role}--{dest.replace('_', '-')}", path))
-    return pipelines
+    return group_paths(args, ("hf_checkpoint", "teacher_load"))
+
+
+def _check_real_data(args: argparse.Namespace, flag: str, path: str) -> None:
+    """Real samples (the GAN's ``--dmd2-gan-real-data``): records with a prompt and an image or latent file; images
+    written into the JSONL load and fit the model's latent."""
+    from miles.models import get_model_family
+    from miles.rollout.data_source import load_image_latent
+
+    records = _check_records(flag, path, args.input_key)
+    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
+    shape = family.latent_shape(args.hf_checkpoint)
+    for number, record in enumerate(records, start=1):
+        where = f"{flag} {path} record {number} (prompt {record[args.input_key]!r})"
+        if args.image_key not in record and not isinstance(record.get(args.latent_key), str):
+            reject(
+                f"{where} has neither an image under --image-key {args.image_key!r} nor a latent file under "
+                f"--latent-key {args.latent_key!r}"
+            )
+        value = record.get(args.image_key)
+        if value is not None and not isinstance(value, str):
+            try:
+                load_image_latent(family, value, expected_shape=shape, where=where)
+            except (OSError, ValueError, TypeError) as exc:
+                reject(str(exc))
+
+
+def _check_negative_cond(path: str) -> None:
+    from miles.driver.preflight_models import safetensors_header
+
+    if not os.path.isfile(path):
+        reject(f"--negative-cond {path} does not exist; pass a .safetensors cond file (miles.rollout.prompt_cache)")
+    try:
+        safetensors_header(Path(path))
+    except (OSError, ValueError) as exc:
+        reject(f"--negative-cond {path} is not a readable safetensors file ({exc})")
 
 
 def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
@@ -103,10 +129,15 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
       and names a callable;
     - ``--load`` holds a complete newest checkpoint;
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
-      ``--critic-load``) are pipeline directories,
-      ``--prompt-data`` (and ``--eval-prompt-data`` with ``--eval-interval``) are JSONL files whose records carry
-      ``--input-key``, and with ``--train-only`` every record has an image under ``--image-key`` (images written
-      into the JSONL are loaded and must fit the model's latent shape).
+      ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
+      prompt encodings, with readable, finite safetensors weights (``preflight_models``);
+      ``--prompt-data`` (and ``--eval-prompt-data`` with ``--eval-interval``, the GAN's ``--dmd2-gan-real-data``)
+      are JSONL files whose records carry ``--input-key`` (errors name the file and line), and with
+      ``--train-only`` every record has an image under ``--image-key`` (images written into the JSONL are loaded
+      and must fit the model's latent shape); ``--negative-cond`` is a readable safetensors file;
+    - with ``check_paths``: every output directory takes files, holds no other run's checkpoints unless resumed or
+      ``--overwrite-save``, and has room for a checkpoint (``preflight_outputs``; a warning when the run's
+      checkpoints may not fit).
 
     ``parse_args`` does not run these: a ``--dry-run`` may validate a command meant for a machine that holds the data.
 
@@ -140,8 +171,15 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
             )
     if not check_paths:
         return
-    for label, path in _group_pipelines(args):
+    from miles.driver import preflight_models, preflight_outputs
+    from miles.methods import get_method
+
+    pipelines = _group_pipelines(args)
+    for label, path in pipelines:
         _check_pipeline(label, path, args.diffusion_model_family)
+    preflight_models.check_compatible(args, pipelines)
+    for label, path in pipelines:
+        preflight_models.check_weights(label, path)
     records = _check_records(
         "--prompt-data", args.prompt_data, args.input_key, args.image_key if args.train_only else None
     )
@@ -149,3 +187,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
         _check_inline_images(args, records)
     if args.eval_interval and args.eval_prompt_data:
         _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
+    real_data = get_method(args).real_data(args)
+    if real_data:
+        # Named by the method's flag that holds it (--dmd2-gan-real-data).
+        name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
+        _check_real_data(args, flag(name), real_data)
+    if args.negative_cond:
+        _check_negative_cond(args.negative_cond)
+    preflight_outputs.check_writable(args)
+    preflight_outputs.check_save_dirs(args)
+    preflight_outputs.check_disk_space(args)

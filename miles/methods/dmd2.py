@@ -34,7 +34,7 @@ from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
-from miles.utils.validation import dp_size, reject, rollout_pairs
+from miles.utils.validation import check_number, dp_size, reject, rollout_pairs
 
 __all__ = [
     "DMD2Method",
@@ -131,8 +131,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     """
     if not args.teacher_load:
         reject("--loss-type dmd2 needs --teacher-load (the frozen teacher pipeline directory)")
-    if not args.dmd2_teacher_guidance_scale >= 1:
-        reject(f"--dmd2-teacher-guidance-scale must be >= 1 (1 = no CFG), got {args.dmd2_teacher_guidance_scale}")
+    check_number("--dmd2-teacher-guidance-scale", args.dmd2_teacher_guidance_scale, low=1, hint="(1 = no CFG)")
     if args.diffusion_guidance_scale != 1:
         reject(
             f"--loss-type dmd2 needs unguided student rollouts: set --diffusion-guidance-scale 1 "
@@ -149,8 +148,12 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         reject(
             "--sft-uncond-prob trains SFT's unconditional velocity; it has no use under --loss-type dmd2: remove it"
         )
-    if args.critic_lr is not None and not args.critic_lr >= 0:
-        reject(f"--critic-lr must be >= 0, got {args.critic_lr}")
+    if args.critic_lr is not None:
+        check_number("--critic-lr", args.critic_lr, low=0)
+        if args.min_lr > args.critic_lr:
+            reject(
+                f"--min-lr {args.min_lr} must be <= --critic-lr {args.critic_lr} (the critic's schedule decays to it)"
+            )
     k = args.dmd2_critic_steps_per_rollout
     if k < 1:
         reject(f"--dmd2-critic-steps-per-rollout must be >= 1, got {k}")
@@ -161,14 +164,16 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
             f"whole micro-batches (--micro-batch-size {args.micro_batch_size}); pick K dividing {shard}"
         )
     ratios = (args.dmd2_min_timestep_ratio, args.dmd2_max_timestep_ratio)
+    for name, value in zip(("--dmd2-min-timestep-ratio", "--dmd2-max-timestep-ratio"), ratios):
+        check_number(name, value)
     if not 0 <= ratios[0] < ratios[1] <= 1:
         reject(f"need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got {ratios}")
     for flag, value in (
         ("--dmd2-gan-disc-weight", args.dmd2_gan_disc_weight),
         ("--dmd2-gan-gen-weight", args.dmd2_gan_gen_weight),
     ):
-        if not (value >= 0 and value < float("inf")):
-            reject(f"{flag} must be a finite number >= 0, got {value}")
+        check_number(flag, value, low=0)
+    check_number("--dmd2-gan-max-timestep-ratio", args.dmd2_gan_max_timestep_ratio)
     if not args.dmd2_min_timestep_ratio < args.dmd2_gan_max_timestep_ratio <= 1:
         reject(
             f"need --dmd2-min-timestep-ratio < --dmd2-gan-max-timestep-ratio <= 1, got "
@@ -180,6 +185,9 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         reject(
             "--dmd2-gan-disc-weight > 0 needs --dmd2-gan-real-data (a JSONL of real images or latents with prompts)"
         )
+    for block in args.dmd2_gan_feature_blocks or []:
+        if block < 0:
+            reject(f"--dmd2-gan-feature-blocks holds {block}; block indices are >= 0")
     if args.dmd2_gan_real_data and not gan_enabled(args):
         reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
 

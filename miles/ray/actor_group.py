@@ -13,6 +13,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+from miles.ray.errors import get_all
 from miles.utils.types import Box, PromptShard
 
 __all__ = ["RayTrainGroup", "split_shard", "evaluate_on"]
@@ -106,6 +107,20 @@ class RayTrainGroup:
         self.master_addr, self.master_port = ray.get(self.actors[0].get_master_addr_and_port.remote())
         logger.debug("%s group: %d ranks, master %s:%d", role, self.world_size, self.master_addr, self.master_port)
 
+    @property
+    def labels(self) -> list[str]:
+        """``["critic rank 0", "critic rank 1"]``: how errors name the ranks."""
+        return [f"{self.role} rank {rank}" for rank in range(self.world_size)]
+
+    def get(self, refs: list[ray.ObjectRef], method: str, rollout_id: Any = None) -> list:
+        """The ranks' results of ``method`` in rank order; the first failure as one line
+        (:func:`miles.ray.errors.get_all`: "critic rank 1 failed in train (rollout 3): ValueError: ...").
+
+        Raises:
+            WorkerError: naming the rank, ``method`` and ``rollout_id``.
+        """
+        return get_all(refs, self.labels, method, rollout_id)
+
     def async_init(self, load_rollout_id: int | None = None) -> list[ray.ObjectRef]:
         """Each rank joins the process group, loads its models and (with ``load_rollout_id``) its checkpoint of that
         rollout; each ref resolves to the first rollout id."""
@@ -184,9 +199,13 @@ class RayTrainGroup:
         """Push the gathered weights to the dedicated engine replicas (rank 0 sends; all ranks gather)."""
         return [actor.update_weights.remote(engines) for actor in self.actors]
 
-    def async_export_hf(self, out_dir: str, schedule: dict[str, Any] | None) -> list[ray.ObjectRef]:
-        """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes)."""
-        return [actor.export_hf.remote(out_dir, schedule) for actor in self.actors]
+    def async_export_hf(
+        self, out_dir: str, schedule: dict[str, Any] | None, run_paths: list[tuple[str, str]] | None = None
+    ) -> list[ray.ObjectRef]:
+        """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes), checked
+        against ``run_paths`` (every directory the run reads or writes) right before it writes; ``schedule`` None
+        keeps the source's scheduler."""
+        return [actor.export_hf.remote(out_dir, schedule, run_paths) for actor in self.actors]
 
     def async_get_full_state_dict(self) -> list[ray.ObjectRef]:
         """Every rank joins the gather; rank 0's ref holds the unsharded state dict, the others ``{}``."""

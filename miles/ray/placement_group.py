@@ -145,7 +145,7 @@ def create_training_models(
     init_refs = {role: group.async_init(load_rollout_id) for role, group in groups.items()}
     starts = {}
     for role, refs in init_refs.items():
-        rank_starts = set(ray.get(refs))
+        rank_starts = set(groups[role].get(refs, "init"))
         if len(rank_starts) != 1:
             raise RuntimeError(f"{role} ranks resume at different rollouts {sorted(rank_starts)}")
         starts[role] = groups[role].start_rollout_id = rank_starts.pop()

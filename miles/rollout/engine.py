@@ -38,6 +38,7 @@ from miles.utils.sampling import (
     sample_latents,
 )
 from miles.utils.types import DenoisingEnv, DiTTrajectory, PromptShard, Sample, TrainPair
+from miles.utils.validation import HookResultError
 
 __all__ = [
     "RolloutEngine",
@@ -290,7 +291,8 @@ def convert_samples(args: Any, converter: Callable, samples: list[Sample]) -> li
     """Run the converter (``--custom-expand-samples-to-train-pairs-path``) and check what it returns.
 
     Raises:
-        ValueError: naming the hook, if it returns something other than a list of ``TrainPair``.
+        HookResultError: naming the hook, if it returns something other than a list of ``TrainPair``, or another
+            number of pairs than samples.
     """
     path = getattr(args, "custom_expand_samples_to_train_pairs_path", None)
     pairs = converter(args, samples)
@@ -301,5 +303,12 @@ def convert_samples(args: Any, converter: Callable, samples: list[Sample]) -> li
             else "a list holding "
             + ", ".join(sorted({type(pair).__name__ for pair in pairs if not isinstance(pair, TrainPair)}))
         )
-        raise ValueError(f"converter {path} returned {got}; expected a list of miles.utils.types.TrainPair")
+        raise HookResultError(f"converter {path} returned {got}; expected a list of miles.utils.types.TrainPair")
+    if len(pairs) != len(samples):
+        # The batch sizes (--global-batch-size, the DP split, the critic's steps) count one pair per sample: a
+        # converter that drops pairs would silently train on a smaller batch.
+        raise HookResultError(
+            f"converter {path} returned {len(pairs)} train pairs for {len(samples)} samples; it must return one pair "
+            "per sample, in order (the batch sizes count samples)"
+        )
     return pairs

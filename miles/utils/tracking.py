@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsTracker", "METRICS_FILE", "read_metrics"]
+__all__ = ["MetricsTracker", "METRICS_FILE", "drop_records_from", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,3 +115,35 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_records_from(output_dir: str | Path, first_rollout: int) -> int:
+    """Remove the records of rollouts ``>= first_rollout`` from ``<output_dir>/metrics.jsonl``: a resume at
+    ``first_rollout`` logs them again, and a rollout must not appear twice. The file is rewritten atomically (a
+    temporary sibling, then ``os.replace``); a line that is not JSON (a crash mid-write) is dropped too. Returns the
+    number of lines dropped (0 when the file does not exist)."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                keep = int(record.get("rollout_id", -1)) < first_rollout
+            except (ValueError, TypeError, AttributeError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{METRICS_FILE}.tmp")
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped

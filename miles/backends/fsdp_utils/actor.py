@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.ema import ParameterEMA
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import (
     compute_context,
     load_frozen_denoiser,
@@ -63,9 +63,20 @@ from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
 from miles.utils.log import setup_logging
 from miles.utils.misc import load_function
+from miles.utils.paths import check_export_target
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
+from miles.utils.validation import CheckpointWriteError, HookResultError, NonFiniteError, NonFiniteWeightsError
 
-__all__ = ["FSDPTrainRayActor", "TrainHooks", "load_hooks", "metric_key", "split_windows"]
+__all__ = [
+    "FSDPTrainRayActor",
+    "TrainHooks",
+    "check_loss",
+    "check_prepared",
+    "check_train_input",
+    "load_hooks",
+    "metric_key",
+    "split_windows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +146,89 @@ def split_windows(pairs: list, num_windows: int, micro_batch_size: int) -> list[
     size = len(pairs) // num_windows
     windows = [pairs[i * size : (i + 1) * size] for i in range(num_windows)]
     return [[window[j : j + micro_batch_size] for j in range(0, size, micro_batch_size)] for window in windows]
+
+
+def _describe(value: Any) -> str:
+    """What a hook returned, for an error message: ``float``, ``a tensor of shape (4,)``, ``None``."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_prepared(prepared: Any, path: str) -> PreparedBatch:
+    """The prepare hook's result must be a ``PreparedBatch`` with tensor ``latents`` and ``timestep`` and a dict
+    ``cond``.
+
+    Raises:
+        HookResultError: naming the hook (``path``), what it returned and what is expected.
+    """
+    if not isinstance(prepared, PreparedBatch):
+        raise HookResultError(
+            f"prepare hook {path} returned {_describe(prepared)}; expected a "
+            "miles.backends.fsdp_utils.loss_hub.types.PreparedBatch"
+        )
+    for name, value, kind in (
+        ("latents", prepared.latents, torch.Tensor),
+        ("timestep", prepared.timestep, torch.Tensor),
+        ("cond", prepared.cond, dict),
+    ):
+        if not isinstance(value, kind):
+            raise HookResultError(
+                f"prepare hook {path} returned a PreparedBatch whose {name} is {_describe(value)}; expected "
+                f"{'a tensor' if kind is torch.Tensor else 'a dict of tensors'}"
+            )
+    return prepared
+
+
+def check_loss(loss: Any, path: str) -> torch.Tensor:
+    """The loss hook's result must be a 0-d floating-point tensor that requires grad (the sum over the
+    micro-batch's pairs).
+
+    Raises:
+        HookResultError: e.g. "loss hook my.loss returned float; expected a scalar tensor with grad".
+    """
+    problem = None
+    if not isinstance(loss, torch.Tensor):
+        problem = _describe(loss)
+    elif loss.dim() != 0:
+        problem = f"a tensor of shape {tuple(loss.shape)}"
+    elif not loss.is_floating_point():
+        problem = f"a {loss.dtype} tensor"
+    elif not loss.requires_grad:
+        problem = "a tensor without grad (computed under no_grad, detached, or not from new_pred)"
+    if problem is not None:
+        raise HookResultError(
+            f"loss hook {path} returned {problem}; expected a scalar tensor with grad (the sum of the "
+            "micro-batch's pair losses)"
+        )
+    return loss
+
+
+def check_train_input(pairs: Any, path: str, received: int) -> list[TrainPair]:
+    """The train-input hook's result must be a list of ``TrainPair`` as long as the list it was given: a hook that
+    drops pairs would silently train on a smaller batch than ``--global-batch-size``.
+
+    Raises:
+        HookResultError: naming the hook, what it returned and what is expected.
+    """
+    if not isinstance(pairs, list) or not all(isinstance(pair, TrainPair) for pair in pairs):
+        got = (
+            _describe(pairs)
+            if not isinstance(pairs, list)
+            else "a list holding "
+            + ", ".join(sorted({type(pair).__name__ for pair in pairs if not isinstance(pair, TrainPair)}))
+        )
+        raise HookResultError(
+            f"train-input hook {path} returned {got}; expected a list of miles.utils.types.TrainPair"
+        )
+    if len(pairs) != received:
+        raise HookResultError(
+            f"train-input hook {path} returned {len(pairs)} train pairs for the {received} it was given; it may "
+            "change pairs but not their number (the batch sizes count them)"
+        )
+    return pairs
 
 
 def _free_port() -> int:
@@ -287,7 +381,7 @@ class FSDPTrainRayActor:
         if not isinstance(extras, dict) or not all(
             isinstance(name, str) and isinstance(module, nn.Module) for name, module in extras.items()
         ):
-            raise ValueError(
+            raise HookResultError(
                 f"--custom-build-modules-path {path} returned {type(extras).__name__}; expected a dict of "
                 "name -> torch.nn.Module"
             )
@@ -313,7 +407,7 @@ class FSDPTrainRayActor:
         dist.all_reduce(bad)
         if int(bad):
             shown = ", ".join(names[:3]) or "on another rank"
-            raise RuntimeError(f"{what} has non-finite weights ({shown}); refusing to use them")
+            raise NonFiniteWeightsError(f"{what} has non-finite weights ({shown}); refusing to use them")
 
     def describe(self) -> dict[str, Any]:
         """Rank 0's start-up summary for the driver's one line per group: device, parameters, memory held."""
@@ -516,7 +610,9 @@ class FSDPTrainRayActor:
         pairs = self._pairs(rollout_id, pairs_box)
         external = {role: ray.get(box.inner) for role, box in (external_data or {}).items()}
         if self.hooks.train_input is not None:
+            received = len(pairs)
             pairs = self.hooks.train_input(self._context(rollout_id, external, 0), pairs)
+            check_train_input(pairs, args.custom_train_input_function_path, received)
             self._check_equal_counts(len(pairs))
         windows = split_windows(pairs, args.num_steps_per_rollout, args.micro_batch_size)
         micro_batches_per_window = len(windows[0])
@@ -577,18 +673,22 @@ class FSDPTrainRayActor:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self._context(rollout_id, external, first_microbatch_id + j)
-            prepared = self.hooks.prepare(ctx, micro_batch)
+            prepared = check_prepared(self.hooks.prepare(ctx, micro_batch), self.args.custom_prepare_train_batch_path)
             if not self.sync_every_microbatch:
                 for module in self.modules.values():
                     window_sync(module, last_micro_batch=j == len(micro_batches) - 1)
             if prepared.component not in ctx.models:
-                raise ValueError(
-                    f"prepare hook asked for component {prepared.component!r}; this group trains {sorted(ctx.models)}"
+                raise HookResultError(
+                    f"prepare hook {self.args.custom_prepare_train_batch_path} asked for component "
+                    f"{prepared.component!r}; this group trains {sorted(ctx.models)}"
                 )
             model = ctx.models[prepared.component]
             with compute_context(model, self.dtype, self.device):
                 new_pred = ctx.predict_velocity(model, prepared.latents, prepared.timestep, prepared.cond)
-                loss_sum = self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics)
+                loss_sum = check_loss(
+                    self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics),
+                    self.args.custom_loss_function_path,
+                )
             # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
             (loss_sum / window_pairs).backward()
             loss_total += loss_sum.detach().double()
@@ -632,7 +732,7 @@ class FSDPTrainRayActor:
                 self._skipped_in_a_row,
             )
         if self.max_skipped_steps and self._skipped_in_a_row >= self.max_skipped_steps:
-            raise FloatingPointError(
+            raise NonFiniteError(
                 f"{self.role} group, rollout {rollout_id}: {self._skipped_in_a_row} optimizer steps in a row had a "
                 f"non-finite gradient norm (first non-finite figure {first_bad}); stopping so that no NaN reaches "
                 "the weights (--max-skipped-steps)"
@@ -709,19 +809,31 @@ class FSDPTrainRayActor:
             ray.get([engine.load_weights.remote(ref) for engine in engines])
         dist.barrier()
 
-    def export_hf(self, out_dir: str, schedule: dict[str, Any] | None) -> str:
+    def export_hf(
+        self, out_dir: str, schedule: dict[str, Any] | None, run_paths: list[tuple[str, str]] | None = None
+    ) -> str:
         """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
 
-        The directory is a copy of ``--hf-checkpoint``'s pipeline with ``transformer/`` replaced by
-        ``save_pretrained`` of an unsharded copy holding the trained weights; its scheduler config records the
-        sampling schedule (:func:`miles.models.sampling_schedule.write_sampling_schedule` with ``schedule``'s
-        keyword arguments; for a family with ``stock_scheduler``, the scheduler becomes the stock diffusers
-        scheduler of the student's rule and grid). With ``schedule`` None (an SFT export) the source's scheduler is
-        kept as it is. Written to a temporary sibling and renamed into place, so a crash never leaves a
-        half-written pipeline at ``out_dir``.
+        The directory is a copy of ``--hf-checkpoint``'s pipeline (hidden files such as tool markers left out) with
+        ``transformer/`` replaced by ``save_pretrained`` of an unsharded copy holding the trained weights; its
+        scheduler config records the sampling schedule (:func:`miles.models.sampling_schedule.write_sampling_schedule`
+        with ``schedule``'s keyword arguments; for a family with ``stock_scheduler``, the scheduler becomes the stock
+        diffusers scheduler of the student's rule and grid; ``schedule`` None keeps the source's scheduler).
+        Written to a temporary sibling and renamed into place, so a crash never leaves a half-written pipeline at
+        ``out_dir``.
+
+        Args:
+            run_paths: ``(flag, path)`` of every directory the run reads or writes; ``out_dir`` is checked against
+                them (and for what it may replace, :func:`miles.utils.paths.check_export_target`) before the copy
+                and again right before the rename.
 
         Returns:
             ``out_dir``.
+
+        Raises:
+            NonFiniteWeightsError: if the weights hold NaN or inf.
+            ArgumentValidationError: if ``out_dir`` may not be written (see ``check_export_target``).
+            CheckpointWriteError: if the directory cannot be written (a full disk); nothing at ``out_dir`` changed.
         """
         from miles.models.sampling_schedule import write_sampling_schedule
 
@@ -729,22 +841,44 @@ class FSDPTrainRayActor:
         if self.rank == 0:
             bad = [key for key, value in state_dict.items() if not torch.isfinite(value).all()]
             if bad:
-                raise RuntimeError(
+                raise NonFiniteWeightsError(
                     f"refusing to export {self.role} weights with non-finite values to {out_dir} ({', '.join(bad[:3])})"
                 )
             src, out = Path(self.args.hf_checkpoint), Path(out_dir)
-            tmp = out.parent / f".tmp_{out.name}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(src, tmp, copy_function=_link_or_copy)
-            model = self.family.load_denoiser(str(src), dtype=torch.float32)
-            model.load_state_dict(state_dict)
-            shutil.rmtree(tmp / TRANSFORMER)
-            model.save_pretrained(tmp / TRANSFORMER)
-            if schedule is not None:  # None: the source's scheduler stays as copied (an SFT export)
-                write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
+
+            def check() -> None:
+                overwrite = bool(getattr(self.args, "overwrite_save_hf", False))
+                check_export_target(out, src, overwrite, run_paths or [])
+
+            check()
+            # A name of this project's own, so that no user's directory is mistaken for a leftover.
+            tmp = out.parent / f".{out.name}.miles-export.tmp"
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                # Hidden entries (a recipe's .miles_stage_complete.json, .git) belong to the source, not the export.
+                shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=_hidden)
+                model = self.family.load_denoiser(str(src), dtype=torch.float32)
+                model.load_state_dict(state_dict)
+                shutil.rmtree(tmp / TRANSFORMER)
+                model.save_pretrained(tmp / TRANSFORMER)
+                if schedule is not None:
+                    # None keeps the source's scheduler (an SFT export samples like its teacher).
+                    write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointWriteError(
+                    f"could not export the student to {out_dir}: {checkpoint.describe_os_error(exc, out.parent)}; "
+                    "nothing at that path changed"
+                ) from exc
+            try:
+                # The directory may have appeared during the training.
+                check()
+            except Exception:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             if out.exists():
-                stale = out.parent / f".stale_{out.name}"
+                stale = out.parent / f".{out.name}.miles-export.stale"
                 shutil.rmtree(stale, ignore_errors=True)
                 os.rename(out, stale)
                 os.rename(tmp, out)
@@ -797,6 +931,10 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     """Bytes of this rank's part of a tensor (its shard of a DTensor)."""
     tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return tensor.numel() * tensor.element_size()
+
+
+def _hidden(directory: str, names: list[str]) -> list[str]:
+    return [name for name in names if name.startswith(".")]
 
 
 def _link_or_copy(src: str, dst: str) -> str:

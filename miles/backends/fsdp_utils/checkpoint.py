@@ -18,6 +18,7 @@ crash at any point leaves ``latest`` naming the previous complete rollout; a res
 it and removes what a crashed rollout left behind (:func:`remove_uncommitted`), so nothing needs a hand edit.
 """
 
+import errno
 import json
 import logging
 import os
@@ -36,17 +37,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from miles.utils.validation import CheckpointWriteError
+
 __all__ = [
     "FORMAT_VERSION",
     "LATEST_FILE",
     "TrainState",
     "checkpoint_dir",
+    "checkpoint_entries",
     "commit",
     "complete_rollouts",
+    "describe_os_error",
     "load_checkpoint",
     "prune",
     "read_data_state",
     "read_latest",
+    "remove_checkpoints",
     "remove_uncommitted",
     "resume_rollout",
     "save_checkpoint",
@@ -239,32 +245,50 @@ def save_checkpoint(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tmp = save_dir / f".tmp_rollout_{rollout_id}"
     final = checkpoint_dir(save_dir, rollout_id)
+    error: BaseException | None = None
     if rank == 0:
         # A leftover temporary directory is an earlier attempt that crashed before its rename.
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
-        dcp.save({"train": state}, checkpoint_id=str(tmp / "dcp"))
-        torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{rank}.pt")
-        if rank == 0:
-            if data_state is not None:
-                torch.save(data_state, tmp / DATA_STATE_FILE)
-            metadata = {
-                "rollout_id": rollout_id,
-                "role": role,
-                "world_size": world_size,
-                "format_version": FORMAT_VERSION,
-                "saved_at": time.time(),
-            }
-            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-    except (OSError, CheckpointException) as exc:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    if not _any_rank(error is not None):
+        try:
+            dcp.save({"train": state}, checkpoint_id=str(tmp / "dcp"))
+            # Python file objects, so that a full disk raises ENOSPC here (torch's own writer reports a full disk
+            # as "unexpected pos N vs M").
+            _write(tmp / f"rank_{rank}.pt", {"scheduler": scheduler.state_dict(), "rng": _rng_state()})
+            if rank == 0:
+                if data_state is not None:
+                    _write(tmp / DATA_STATE_FILE, data_state)
+                metadata = {
+                    "rollout_id": rollout_id,
+                    "role": role,
+                    "world_size": world_size,
+                    "format_version": FORMAT_VERSION,
+                    "saved_at": time.time(),
+                }
+                with open(tmp / METADATA_FILE, "w") as f:
+                    f.write(json.dumps(metadata, indent=2) + "\n")
+        # DCP wraps every rank's error in a CheckpointException, a BaseException.
+        except (Exception, CheckpointException) as exc:
+            error = exc
+    # Every rank learns whether any rank failed, so none waits in a barrier for a rank that gave up.
+    if _any_rank(error is not None):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(
-            f"could not save the {role} checkpoint of rollout {rollout_id} to {save_dir}: {_cause(exc)}"
-        ) from exc
-    _barrier()
+        if error is None:
+            raise CheckpointWriteError(
+                f"could not save the {role} checkpoint of rollout {rollout_id} to {save_dir}: another rank failed "
+                "(its error names the cause); no complete checkpoint was touched"
+            )
+        if not isinstance(error, (OSError, CheckpointException)):
+            raise error
+        raise CheckpointWriteError(
+            f"could not save the {role} checkpoint of rollout {rollout_id} to {save_dir}: "
+            f"{_cause(error, save_dir)}; no complete checkpoint was touched"
+        ) from error
     if rank == 0:
         if final.exists():
             # The same id saved before and never committed (a crash after the rename): replace it now that the new
@@ -281,14 +305,51 @@ def save_checkpoint(
     return final
 
 
-def _cause(exc: BaseException) -> str:
-    """The root cause of an error (DCP wraps each rank's error in a CheckpointException); ENOSPC spelled out."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
+def _write(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of the process group (``flag`` itself without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _cause(exc: BaseException, save_dir: str | Path | None = None) -> str:
+    """The root cause of an error (DCP wraps each rank's error in a CheckpointException), on one line; a full disk
+    is spelled out as "No space left on device", also when a writer reports it in its own words."""
+    while True:
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) of the first failed rank
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, OSError) and exc.errno == 28:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "No space left on device" + (f" (writing {exc.filename})" if exc.filename else "")
+    if save_dir is not None and _disk_full(save_dir):
         return f"No space left on device ({text})"
     return text
+
+
+def describe_os_error(exc: BaseException, directory: str | Path | None = None) -> str:
+    """One line for a failed write into ``directory``: the root cause, a full disk spelled "No space left on
+    device"."""
+    return _cause(exc, directory)
+
+
+def _disk_full(path: str | Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < 1 << 20
+    except OSError:
+        return False
 
 
 def commit(group_dirs: list[str | Path], rollout_id: int) -> None:
@@ -324,6 +385,35 @@ def remove_uncommitted(group_dirs: list[str | Path], committed: int | None) -> l
             if entry.is_dir() and (stale or newer) or (entry.is_file() and stale):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
                 removed.append(entry)
+    return removed
+
+
+def _is_checkpoint_entry(name: str) -> bool:
+    return bool(_ROLLOUT_DIR.match(name)) or name == LATEST_FILE or name.startswith(_TEMPORARY)
+
+
+_TEMPORARY = (".tmp_rollout_", ".stale_rollout_", f".{LATEST_FILE}.tmp")
+
+
+def checkpoint_entries(directory: str | Path) -> list[str]:
+    """The names in ``directory`` this module writes (``latest``, ``rollout_<id>``, temporary entries), sorted."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(entry.name for entry in directory.iterdir() if _is_checkpoint_entry(entry.name))
+
+
+def remove_checkpoints(group_dirs: list[str | Path]) -> list[Path]:
+    """``--overwrite-save``: remove every entry this module writes from the groups' directories (the ``latest``
+    commit first, so a crash midway never leaves a commit naming a removed rollout); other files stay. Returns the
+    removed paths."""
+    removed = []
+    for directory in map(Path, group_dirs):
+        names = checkpoint_entries(directory)
+        for name in sorted(names, key=lambda name: name != LATEST_FILE):
+            entry = directory / name
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
     return removed
 
 

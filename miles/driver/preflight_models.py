@@ -1,0 +1,153 @@
+"""Preflight of the models: every denoiser's weights open and are finite, and the groups' pipelines fit together.
+
+Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`). The weights are read from the
+safetensors files of ``<pipeline>/transformer`` one tensor at a time (memory-mapped), so a model of any size is
+checked with the memory of its largest tensor.
+"""
+
+import argparse
+import json
+import logging
+import struct
+from pathlib import Path
+
+from miles.utils.validation import reject
+
+__all__ = ["check_compatible", "check_weights", "denoiser_numel", "safetensors_header"]
+
+logger = logging.getLogger(__name__)
+
+DENOISER = "transformer"
+# Bytes per element of the safetensors dtypes a denoiser is stored in.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
+# Transformer config keys the teacher and the critic must share with the student: they take the student's latents
+# (channels, size) and its prompt encodings (text width, pooled width).
+COMPATIBLE_KEYS = {
+    "in_channels": "latent channels",
+    "out_channels": "output channels",
+    "sample_size": "latent sample size",
+    "joint_attention_dim": "text-encoder width",
+    "pooled_projection_dim": "pooled text width",
+}
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (``{name: {"dtype", "shape", "data_offsets"}}``), checked against the
+    file's size.
+
+    Raises:
+        ValueError: if the file is too short, its header is not JSON, or its tensors run past the end of the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if 8 + length > size:
+            raise ValueError(f"header of {length} bytes runs past the end of the {size}-byte file (truncated?)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise ValueError(f"header is not JSON ({exc})") from None
+    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        raise ValueError(f"tensors need {8 + length + end} bytes but the file holds {size} (truncated?)")
+    return header
+
+
+def _weight_files(flag: str, pipeline: str) -> list[Path]:
+    folder = Path(pipeline) / DENOISER
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("*.bin")):
+        reject(f"{flag} {pipeline}: {folder} holds no weights file (*.safetensors); is the pipeline complete?")
+    return files
+
+
+def denoiser_numel(pipeline: str) -> int:
+    """Parameters of the pipeline's denoiser, from its safetensors headers (0 when it has none)."""
+    total = 0
+    for path in sorted((Path(pipeline) / DENOISER).glob("*.safetensors")):
+        for key, info in safetensors_header(path).items():
+            if key != "__metadata__":
+                numel = 1
+                for dim in info["shape"]:
+                    numel *= dim
+                total += numel
+    return total
+
+
+def check_weights(flag: str, pipeline: str) -> None:
+    """Every safetensors file of the pipeline's denoiser opens and holds finite values only.
+
+    Raises:
+        ArgumentValidationError: naming the flag, the file and the first non-finite tensor.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for path in _weight_files(flag, pipeline):
+        bad = None
+        try:
+            header = safetensors_header(path)
+            with safe_open(str(path), framework="pt") as f:
+                for key in (name for name in header if name != "__metadata__"):
+                    tensor = f.get_tensor(key)
+                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        bad = (key, int((~torch.isfinite(tensor)).sum()))
+                        break
+        except (OSError, ValueError, RuntimeError) as exc:
+            reject(f"{flag} {pipeline}: {path} is not a readable safetensors file ({exc})")
+        if bad is not None:
+            reject(
+                f"{flag} {pipeline}: {path.name} tensor {bad[0]} holds {bad[1]} non-finite values (NaN/inf); "
+                "refusing to train from it"
+            )
+
+
+def _signature(pipeline: str, family) -> dict:
+    config_path = Path(pipeline) / DENOISER / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        reject(f"cannot read {config_path} ({exc})")
+    signature = {key: config.get(key) for key in COMPATIBLE_KEYS}
+    text_config = getattr(family, "text_config", None)
+    if text_config is not None:
+        # The digits family encodes prompts to this many tokens; the teacher learnt them at that length.
+        signature["max_length"] = text_config(pipeline).get("max_length")
+    return signature
+
+
+def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]]) -> None:
+    """The teacher and the critic take the student's latents and prompt encodings: their denoisers must share the
+    student's (the first pipeline's) family, latent channels and size, text-encoder width and token length.
+
+    Args:
+        pipelines: ``(flag, path)`` of every group's pipelines, the student's ``--hf-checkpoint`` first.
+
+    Raises:
+        ArgumentValidationError: naming both flags and the differing figure.
+    """
+    from miles.models import get_model_family
+
+    (student_flag, student), *others = pipelines
+    if not others:
+        return
+    family = get_model_family(student, args.diffusion_model_family)
+    reference = _signature(student, family)
+    for other_flag, other in others:
+        other_family = get_model_family(other, args.diffusion_model_family)
+        if other_family.name != family.name:
+            reject(
+                f"{other_flag} {other} is a {other_family.name} pipeline but {student_flag} {student} is "
+                f"{family.name}; every group must use the student's model family"
+            )
+        signature = _signature(other, other_family)
+        for key, value in signature.items():
+            if value != reference.get(key):
+                what = COMPATIBLE_KEYS.get(key, "text token length")
+                reject(
+                    f"{other_flag} {other} does not fit {student_flag} {student}: {what} ({key}) {value} vs "
+                    f"{reference.get(key)}; it must take the student's latents and prompt encodings"
+                )

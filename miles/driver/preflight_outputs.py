@@ -1,0 +1,155 @@
+"""Preflight of the outputs: every directory the run writes takes files, holds room for its checkpoints, and does
+not hold another run's checkpoints.
+
+Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`). Writability is probed by
+creating and removing one file where each output is (or would be created), so nothing is left behind. The space
+estimate per checkpoint of a group is its denoiser's parameters (from the safetensors headers) × 4 bytes ×
+(weights + AdamW's two moments + the EMA when kept), 5% over for the metadata and extra modules; the export is the
+student's denoiser in float32, plus the whole pipeline when it cannot hard-link across filesystems.
+"""
+
+import argparse
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from miles.utils.paths import nearest_existing, probe_writable
+from miles.utils.validation import reject
+
+__all__ = ["check_disk_space", "check_save_dirs", "check_writable", "estimate_needs"]
+
+logger = logging.getLogger(__name__)
+
+MB = 1 << 20
+
+
+def _group_args(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    from miles.methods import compute_trainer_configs
+    from miles.utils.trainer_config import compute_trainer_args
+
+    return [(config.role, compute_trainer_args(args, config)) for config in compute_trainer_configs(args)]
+
+
+def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every directory the run writes: each group's ``--save``, ``--output-dir``, and where
+    ``--save-hf`` goes."""
+    from miles.driver.arguments import group_paths
+
+    paths = group_paths(args, ("save",))
+    if args.output_dir:
+        paths.append(("--output-dir", args.output_dir))
+    if args.save_hf:
+        paths.append(("--save-hf", args.save_hf))
+    return paths
+
+
+def check_writable(args: argparse.Namespace) -> None:
+    """Every output directory is a directory (or can be created) and takes new files.
+
+    Raises:
+        ArgumentValidationError: naming the flag, the path and why not.
+    """
+    for name, path in output_paths(args):
+        if os.path.exists(path) and not os.path.isdir(path):
+            reject(f"{name} {path} is a file; pass a directory")
+        problem = probe_writable(path)
+        if problem is not None:
+            reject(f"{name} {path} is not writable: {problem}")
+
+
+def check_save_dirs(args: argparse.Namespace) -> None:
+    """``--save`` into a directory holding checkpoints (``latest``, ``rollout_*``) of another run needs ``--load``
+    of that directory (a resume) or ``--overwrite-save``; a run never mixes its checkpoints with another's.
+
+    Raises:
+        ArgumentValidationError: naming the directory and its entries.
+    """
+    from miles.backends.fsdp_utils.checkpoint import LATEST_FILE, checkpoint_entries
+
+    if not args.save or args.overwrite_save:
+        return
+    resuming = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
+    if resuming:
+        return
+    for role, group in _group_args(args):
+        entries = [name for name in checkpoint_entries(group.save) if not name.startswith(".")]
+        if not entries:
+            continue
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        where = "--save" if role == "actor" else f"the {role} group's --save"
+        has_commit = os.path.isfile(os.path.join(args.save, LATEST_FILE))
+        fix = (
+            f"resume it with --load {args.save}, or add --overwrite-save to remove them"
+            if has_commit
+            else ("add --overwrite-save to remove them (none is committed, so there is nothing to resume)")
+        )
+        reject(f"{where} {group.save} holds checkpoints of another run ({shown}); {fix}, or pick a new --save")
+
+
+def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
+    """Bytes the run writes per filesystem: ``{st_dev: {"one": one save of every group (and the export), "all": the
+    run's peak, "paths": [flags]}}``."""
+    from miles.driver.preflight_models import denoiser_numel
+    from miles.driver.schedule import should_save
+
+    needs: dict[int, dict] = {}
+
+    def add(name: str, path: str, one: int, total: int) -> None:
+        device = os.stat(nearest_existing(path)).st_dev
+        entry = needs.setdefault(device, {"one": 0, "all": 0, "paths": [], "free_at": str(nearest_existing(path))})
+        entry["one"] += one
+        entry["all"] += total
+        entry["paths"].append(f"{name} {path}")
+
+    if args.save:
+        start = 0
+        if args.load:
+            from miles.backends.fsdp_utils.checkpoint import read_latest
+
+            start = read_latest(args.load) + 1
+        saves = sum(1 for rollout in range(start, args.num_rollout) if should_save(args, rollout))
+        kept = saves
+        if args.save_keep_last:
+            spared = 0
+            if args.save_keep_every:
+                spared = sum(1 for r in range(start, args.num_rollout) if (r + 1) % args.save_keep_every == 0)
+            kept = min(saves, args.save_keep_last + 1 + spared)
+        for role, group in _group_args(args):
+            copies = 3 + (1 if getattr(group, "ema_decay", None) else 0)
+            size = int(denoiser_numel(group.hf_checkpoint) * 4 * copies * 1.05)
+            where = "--save" if role == "actor" else f"the {role} group's --save"
+            add(where, group.save, size, size * kept)
+    if args.save_hf:
+        size = denoiser_numel(args.hf_checkpoint) * 4
+        same_fs = os.stat(nearest_existing(args.save_hf)).st_dev == os.stat(args.hf_checkpoint).st_dev
+        if not same_fs:
+            # Nothing can be hard-linked: the export copies the whole pipeline.
+            size += sum(f.stat().st_size for f in Path(args.hf_checkpoint).rglob("*") if f.is_file())
+        add("--save-hf", args.save_hf, size, size)
+    return needs
+
+
+def check_disk_space(args: argparse.Namespace) -> None:
+    """Refuse a run whose first save (or export) cannot fit on its filesystem; warn when the run's checkpoints, at
+    their peak, may not.
+
+    Raises:
+        ArgumentValidationError: naming the paths, the free and the needed space.
+    """
+    for entry in estimate_needs(args).values():
+        free = shutil.disk_usage(entry["free_at"]).free
+        paths = ", ".join(entry["paths"])
+        if free < entry["one"]:
+            reject(
+                f"{paths}: {free / MB:.1f} MB free on its filesystem, but one checkpoint needs about "
+                f"{entry['one'] / MB:.1f} MB; free space or pick another directory"
+            )
+        if free < entry["all"]:
+            logger.warning(
+                "%s: %.1f MB free, but the run's checkpoints need about %.1f MB at their peak; the disk may fill "
+                "(--save-keep-last N bounds them)",
+                paths,
+                free / MB,
+                entry["all"] / MB,
+            )

@@ -1,0 +1,105 @@
+"""Filesystem checks shared by the preflight and the writers: how two paths relate, whether a directory takes new
+files, and what an export may replace.
+
+The rule they serve: no command deletes or overwrites a file it did not create for this run. An export
+(``--save-hf``) replaces only a pipeline directory, only with ``--overwrite-save-hf``, and only when every entry in
+it is one the export writes again; it never sits in, over or under a directory the run reads or writes.
+"""
+
+import os
+from pathlib import Path
+
+from miles.utils.validation import reject
+
+__all__ = ["check_export_target", "export_entries", "nearest_existing", "path_relation", "probe_writable"]
+
+# What marks a diffusers pipeline directory.
+MODEL_INDEX = "model_index.json"
+
+
+def path_relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
+    """How ``path`` relates to ``other`` after resolving links: ``"is"``, ``"contains"`` (``other`` lies under
+    ``path``), ``"lies inside"`` (``path`` lies under ``other``), or None when neither holds."""
+    a, b = os.path.realpath(path), os.path.realpath(other)
+    if a == b:
+        return "is"
+    if b.startswith(a.rstrip(os.sep) + os.sep):
+        return "contains"
+    if a.startswith(b.rstrip(os.sep) + os.sep):
+        return "lies inside"
+    return None
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` itself when it exists, else its nearest existing ancestor (where ``mkdir -p`` would start)."""
+    current = Path(os.path.abspath(path))
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    return current
+
+
+def probe_writable(path: str | os.PathLike) -> str | None:
+    """Whether files can be created where ``path`` is (or would be created): creates and removes one probe file in
+    ``path`` or its nearest existing ancestor, so nothing is left behind. Returns None when writable, else why not.
+    """
+    target = nearest_existing(path)
+    if not target.is_dir():
+        return f"{target} is a file, not a directory"
+    probe = target / f".miles_write_probe_{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as exc:
+        return f"cannot create files in {target} ({exc.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def export_entries(source: str | os.PathLike) -> set[str]:
+    """The top-level names an export of pipeline ``source`` writes: the source's entries, hidden ones (tool markers
+    such as ``.miles_stage_complete.json``, ``.git``) excluded."""
+    return {entry.name for entry in Path(source).iterdir() if not entry.name.startswith(".")}
+
+
+def check_export_target(
+    out_dir: str | os.PathLike,
+    source: str | os.PathLike,
+    overwrite: bool,
+    run_paths: list[tuple[str, str]],
+) -> None:
+    """Refuse an export directory that would delete or overwrite what this run did not create.
+
+    Args:
+        out_dir: ``--save-hf``.
+        source: the pipeline the export copies (``--hf-checkpoint``).
+        overwrite: ``--overwrite-save-hf``.
+        run_paths: ``(flag, path)`` of every directory the run reads or writes
+            (:func:`miles.driver.arguments.run_paths`).
+
+    Raises:
+        ArgumentValidationError: if ``out_dir`` is, contains or lies inside one of ``run_paths``; if it is a file,
+            a non-empty directory that is not a pipeline, a pipeline without ``overwrite``, or a pipeline holding
+            entries the export would not write again (the user's own files).
+    """
+    for name, path in run_paths:
+        relation = path_relation(out_dir, path)
+        if relation is not None:
+            what = "is also" if relation == "is" else relation
+            reject(f"--save-hf {out_dir} {what} {name} {path}; export to a directory of its own")
+    out = Path(out_dir)
+    if out.is_file() or out.is_symlink() and not out.is_dir():
+        reject(f"--save-hf {out_dir} is a file; export to a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / MODEL_INDEX).is_file():
+        reject(f"--save-hf {out_dir} exists and is not a pipeline directory; export somewhere else")
+    if not overwrite:
+        reject(f"--save-hf {out_dir} holds a pipeline already; add --overwrite-save-hf to replace it")
+    if Path(source).is_dir():
+        extra = sorted({entry.name for entry in out.iterdir()} - export_entries(source))
+        if extra:
+            shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+            reject(
+                f"--save-hf {out_dir} holds {shown}, not part of the pipeline the export writes; move it away or "
+                "export elsewhere (--overwrite-save-hf replaces a pipeline, never other files)"
+            )
