@@ -184,6 +184,7 @@ def run_trainer(work: Path, pipeline: Path, prompts: Path, negative: Path, args,
         "--diffusion-num-steps", "4", "--num-rollout", str(args.rollouts), "--train-dtype", "bfloat16",
         "--lr", "1e-6", "--critic-lr", "4e-6", "--output-dir", str(out),
         *(["--gradient-checkpointing"] if checkpointing else []),
+        *(["--ray-address", args.ray_address] if args.ray_address else []),
     ]  # fmt: skip
     log = work / f"{out.name}.log"
     print(f"$ {shlex.join(cmd)}\n  (log {log})", file=sys.stderr, flush=True)
@@ -258,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-checkpointing-run", action="store_true", help="Skip the --gradient-checkpointing run.")
     parser.add_argument("--json", type=Path, default=None, help="Write every figure here.")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds per training run.")
+    parser.add_argument(
+        "--ray-address", default=None, help="Run the trainings on this Ray cluster (default: each starts its own)."
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2:
         parser.error("--rollouts must be >= 2 (the first rollout is warm-up)")

@@ -96,8 +96,13 @@ class MetricsTracker:
     def finish(self) -> None:
         """Close the wandb run, if any (the JSONL file needs no closing)."""
         if self._wandb_run is not None:
+            import wandb
+
             self._wandb_run.finish()
             self._wandb_run = None
+            # finish() returns once the service took the last records; teardown waits until it wrote them, so the
+            # run's files are complete when the job ends (an offline run read back at once, a sync right after).
+            wandb.teardown()
 
 
 def _format(metrics: dict[str, Any]) -> str:

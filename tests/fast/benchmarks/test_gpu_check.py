@@ -8,10 +8,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_the_tiny_gpu_check_runs_both_trainings_and_prints_every_phase(tmp_path):
+def test_the_tiny_gpu_check_runs_both_trainings_and_prints_every_phase(tmp_path, ray_cluster):
+    # The trainings join the session's cluster instead of starting one each.
+    address = ray_cluster.get_runtime_context().gcs_address
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--tiny", "--rollouts", "2",
-         "--work-dir", str(tmp_path), "--json", str(tmp_path / "report.json")],
+         "--work-dir", str(tmp_path), "--json", str(tmp_path / "report.json"), "--ray-address", address],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
