@@ -1,9 +1,9 @@
 """Step strategies: at which step each sample of a rollout stops.
 
 A strategy is any callable ``fn(args, rollout_id, sample_indices, num_steps) -> list[int | None]`` (one entry per
-sample: the step i in ``[0, num_steps)`` to stop at, or None for the full trajectory). The RolloutManager loads it
-from ``--diffusion-step-strategy-path`` (``--loss-type dmd2`` defaults to ``stop_at_random_step``); without a path it
-runs full trajectories.
+sample: the step i in ``[0, num_steps)`` to stop at, or None for the full trajectory). The rollout engine
+(:class:`miles.rollout.engine.RolloutEngine`) loads it from ``--diffusion-step-strategy-path`` (``--loss-type
+dmd2`` defaults to ``stop_at_random_step``); without a path it runs full trajectories.
 """
 
 from typing import Any

@@ -306,7 +306,8 @@ def sample_latents(
 
     Teacher preview: 28 Euler steps with ``guidance_scale=7``; a DMD2 student: its few-step schedule, rule
     ``"dmd2"``, guidance 1. Sample b uses the seeds of ``(seed, rollout_id, sample_indices[b])``, so the rollout
-    engine with the same values draws the same samples, whatever the batch.
+    engine with the same values draws the same noise whatever the batch (the images agree to float rounding, and
+    bit for bit at an equal ``batch_size``).
 
     Args:
         family: runs the denoiser (``predict_velocity``).
