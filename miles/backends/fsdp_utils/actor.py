@@ -28,11 +28,9 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,16 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.ema import ParameterEMA
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.backends.fsdp_utils.export import write_pipeline
+from miles.backends.fsdp_utils.hooks import (
+    check_loss,
+    check_prepared,
+    check_train_input,
+    load_hooks,
+    metric_key,
+    split_windows,
+)
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import (
     compute_context,
     load_frozen_denoiser,
@@ -63,172 +70,15 @@ from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
 from miles.utils.log import setup_logging
 from miles.utils.misc import load_function
-from miles.utils.paths import check_export_target
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
-from miles.utils.validation import CheckpointWriteError, HookResultError, NonFiniteError, NonFiniteWeightsError
+from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWeightsError
 
-__all__ = [
-    "FSDPTrainRayActor",
-    "TrainHooks",
-    "check_loss",
-    "check_prepared",
-    "check_train_input",
-    "load_hooks",
-    "metric_key",
-    "split_windows",
-]
+__all__ = ["FSDPTrainRayActor"]
 
 logger = logging.getLogger(__name__)
 
 # The trainable denoiser's component name: PreparedBatch.component and TrainContext.models use it.
 TRANSFORMER = "transformer"
-
-
-@dataclass
-class TrainHooks:
-    """The hooks of one trainer group, loaded from their dotted paths (see docs/customization.md)."""
-
-    prepare: Callable
-    loss: Callable
-    train_input: Callable | None = None
-    train_output: Callable | None = None
-
-
-def load_hooks(args) -> TrainHooks:
-    """Load ``--custom-{prepare-train-batch,loss-function,train-input-function,train-output-function}-path``.
-
-    Raises:
-        ValueError: if the prepare or loss path is unset (``--loss-type`` fills them for sft_loss and dmd2), or a
-            path does not import (the message names the path and what failed).
-    """
-    for flag, value in (
-        ("--custom-prepare-train-batch-path", args.custom_prepare_train_batch_path),
-        ("--custom-loss-function-path", args.custom_loss_function_path),
-    ):
-        if not value:
-            raise ValueError(f"{flag} is unset; pass a hook path or a --loss-type that fills it (sft_loss, dmd2)")
-    train_input = getattr(args, "custom_train_input_function_path", None)
-    train_output = getattr(args, "custom_train_output_function_path", None)
-    return TrainHooks(
-        prepare=load_function(args.custom_prepare_train_batch_path),
-        loss=load_function(args.custom_loss_function_path),
-        train_input=load_function(train_input) if train_input else None,
-        train_output=load_function(train_output) if train_output else None,
-    )
-
-
-def metric_key(role: str, name: str) -> str:
-    """``train/<name>`` for the actor, ``train/<role>-<name>`` for any other group (upstream log_train_step); a name
-    with its own namespace (``health/diversity_ratio``) is kept as it is."""
-    if "/" in name:
-        return name
-    return f"train/{name}" if role == "actor" else f"train/{role}-{name}"
-
-
-def split_windows(pairs: list, num_windows: int, micro_batch_size: int) -> list[list[list]]:
-    """Split a rank's pairs into ``num_windows`` equal optimizer windows of micro-batches.
-
-    Each window holds ``len(pairs) / num_windows`` pairs in order, cut into micro-batches of ``micro_batch_size``
-    (the last one of a window may be smaller).
-
-    Raises:
-        ValueError: if there are no pairs or they do not split evenly into the windows.
-    """
-    if micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    if not pairs:
-        raise ValueError("this rank's rollout shard is empty; check --rollout-batch-size against the DP size")
-    if len(pairs) % num_windows:
-        raise ValueError(
-            f"{len(pairs)} train pairs per rank do not split into {num_windows} equal optimizer steps of this "
-            "group; make the per-rank pair count a multiple of its steps per rollout"
-        )
-    size = len(pairs) // num_windows
-    windows = [pairs[i * size : (i + 1) * size] for i in range(num_windows)]
-    return [[window[j : j + micro_batch_size] for j in range(0, size, micro_batch_size)] for window in windows]
-
-
-def _describe(value: Any) -> str:
-    """What a hook returned, for an error message: ``float``, ``a tensor of shape (4,)``, ``None``."""
-    if value is None:
-        return "None"
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
-
-
-def check_prepared(prepared: Any, path: str) -> PreparedBatch:
-    """The prepare hook's result must be a ``PreparedBatch`` with tensor ``latents`` and ``timestep`` and a dict
-    ``cond``.
-
-    Raises:
-        HookResultError: naming the hook (``path``), what it returned and what is expected.
-    """
-    if not isinstance(prepared, PreparedBatch):
-        raise HookResultError(
-            f"prepare hook {path} returned {_describe(prepared)}; expected a "
-            "miles.backends.fsdp_utils.loss_hub.types.PreparedBatch"
-        )
-    for name, value, kind in (
-        ("latents", prepared.latents, torch.Tensor),
-        ("timestep", prepared.timestep, torch.Tensor),
-        ("cond", prepared.cond, dict),
-    ):
-        if not isinstance(value, kind):
-            raise HookResultError(
-                f"prepare hook {path} returned a PreparedBatch whose {name} is {_describe(value)}; expected "
-                f"{'a tensor' if kind is torch.Tensor else 'a dict of tensors'}"
-            )
-    return prepared
-
-
-def check_loss(loss: Any, path: str) -> torch.Tensor:
-    """The loss hook's result must be a 0-d floating-point tensor that requires grad (the sum over the
-    micro-batch's pairs).
-
-    Raises:
-        HookResultError: e.g. "loss hook my.loss returned float; expected a scalar tensor with grad".
-    """
-    problem = None
-    if not isinstance(loss, torch.Tensor):
-        problem = _describe(loss)
-    elif loss.dim() != 0:
-        problem = f"a tensor of shape {tuple(loss.shape)}"
-    elif not loss.is_floating_point():
-        problem = f"a {loss.dtype} tensor"
-    elif not loss.requires_grad:
-        problem = "a tensor without grad (computed under no_grad, detached, or not from new_pred)"
-    if problem is not None:
-        raise HookResultError(
-            f"loss hook {path} returned {problem}; expected a scalar tensor with grad (the sum of the "
-            "micro-batch's pair losses)"
-        )
-    return loss
-
-
-def check_train_input(pairs: Any, path: str, received: int) -> list[TrainPair]:
-    """The train-input hook's result must be a list of ``TrainPair`` as long as the list it was given: a hook that
-    drops pairs would silently train on a smaller batch than ``--global-batch-size``.
-
-    Raises:
-        HookResultError: naming the hook, what it returned and what is expected.
-    """
-    if not isinstance(pairs, list) or not all(isinstance(pair, TrainPair) for pair in pairs):
-        got = (
-            _describe(pairs)
-            if not isinstance(pairs, list)
-            else "a list holding "
-            + ", ".join(sorted({type(pair).__name__ for pair in pairs if not isinstance(pair, TrainPair)}))
-        )
-        raise HookResultError(
-            f"train-input hook {path} returned {got}; expected a list of miles.utils.types.TrainPair"
-        )
-    if len(pairs) != received:
-        raise HookResultError(
-            f"train-input hook {path} returned {len(pairs)} train pairs for the {received} it was given; it may "
-            "change pairs but not their number (the batch sizes count them)"
-        )
-    return pairs
 
 
 def _free_port() -> int:
@@ -502,10 +352,16 @@ class FSDPTrainRayActor:
                 samples = self.engine.generate(shard, sync_last_step=self._all_reduce_max)
         if self._converter is None:
             self._converter = load_function(args.custom_expand_samples_to_train_pairs_path)
-        pairs = convert_samples(args, self._converter, samples)
+        path = args.custom_expand_samples_to_train_pairs_path
+        problem, pairs = None, []
+        try:
+            pairs = convert_samples(args, self._converter, samples)
+        except HookResultError as exc:
+            problem = exc
+        # Before any other collective: a rank whose converter failed would otherwise leave the others waiting.
+        self._check_equal_counts(len(pairs), f"converter {path}", problem)
         if shard.real_records is not None:
             self._attach_real_samples(shard, pairs)
-        self._check_equal_counts(len(pairs), "the converter (--custom-expand-samples-to-train-pairs-path)")
         return pairs
 
     def _attach_real_samples(self, shard: PromptShard, pairs: list[TrainPair]) -> None:
@@ -568,11 +424,27 @@ class FSDPTrainRayActor:
         for model in [*self.modules.values(), *self.teacher_models.values()]:
             reshard(model)
 
-    def _check_equal_counts(self, num_pairs: int, source: str = "the train-input hook") -> None:
-        """Every rank must run the same number of micro-batches, or the FSDP collectives would hang."""
-        counts = torch.tensor([num_pairs, -num_pairs], dtype=torch.int64, device=self.device)
+    def _check_equal_counts(
+        self, num_pairs: int, source: str = "the train-input hook", problem: Exception | None = None
+    ) -> None:
+        """Every rank must run the same number of micro-batches, or the FSDP collectives would hang.
+
+        Collective: ``problem`` is this rank's failed check of the hook's result; it is raised here, after every rank
+        took part, and the other ranks raise naming the first failed rank instead of waiting for it forever."""
+        # One MAX all-reduce: the largest count, the smallest (negated) and the first failed rank (negated, with a
+        # sentinel below every rank when none failed).
+        none_failed = -(1 << 30)
+        first_failed = -self.rank if problem is not None else none_failed
+        counts = torch.tensor([num_pairs, -num_pairs, first_failed], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        largest, smallest = int(counts[0]), -int(counts[1])
+        largest, smallest, failed_rank = int(counts[0]), -int(counts[1]), -int(counts[2])
+        if problem is not None:
+            raise problem
+        if int(counts[2]) != none_failed:
+            raise HookResultError(
+                f"{source} failed its check on DP rank {failed_rank} of the {self.role} group (that rank's error "
+                "says why)"
+            )
         if largest != smallest:
             raise ValueError(
                 f"{self.role} ranks hold different numbers of train pairs ({smallest}..{largest}) after {source}; "
@@ -612,8 +484,13 @@ class FSDPTrainRayActor:
         if self.hooks.train_input is not None:
             received = len(pairs)
             pairs = self.hooks.train_input(self._context(rollout_id, external, 0), pairs)
-            check_train_input(pairs, args.custom_train_input_function_path, received)
-            self._check_equal_counts(len(pairs))
+            problem = None
+            try:
+                check_train_input(pairs, args.custom_train_input_function_path, received)
+            except HookResultError as exc:
+                problem = exc
+            path = args.custom_train_input_function_path
+            self._check_equal_counts(len(pairs) if problem is None else 0, f"train-input hook {path}", problem)
         windows = split_windows(pairs, args.num_steps_per_rollout, args.micro_batch_size)
         micro_batches_per_window = len(windows[0])
 
@@ -835,8 +712,6 @@ class FSDPTrainRayActor:
             ArgumentValidationError: if ``out_dir`` may not be written (see ``check_export_target``).
             CheckpointWriteError: if the directory cannot be written (a full disk); nothing at ``out_dir`` changed.
         """
-        from miles.models.sampling_schedule import write_sampling_schedule
-
         state_dict = self.get_full_state_dict(eval_weights=True)
         if self.rank == 0:
             bad = [key for key, value in state_dict.items() if not torch.isfinite(value).all()]
@@ -844,48 +719,16 @@ class FSDPTrainRayActor:
                 raise NonFiniteWeightsError(
                     f"refusing to export {self.role} weights with non-finite values to {out_dir} ({', '.join(bad[:3])})"
                 )
-            src, out = Path(self.args.hf_checkpoint), Path(out_dir)
-
-            def check() -> None:
-                overwrite = bool(getattr(self.args, "overwrite_save_hf", False))
-                check_export_target(out, src, overwrite, run_paths or [])
-
-            check()
-            # A name of this project's own, so that no user's directory is mistaken for a leftover.
-            tmp = out.parent / f".{out.name}.miles-export.tmp"
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                # Hidden entries (a recipe's .miles_stage_complete.json, .git) belong to the source, not the export.
-                shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=_hidden)
-                model = self.family.load_denoiser(str(src), dtype=torch.float32)
-                model.load_state_dict(state_dict)
-                shutil.rmtree(tmp / TRANSFORMER)
-                model.save_pretrained(tmp / TRANSFORMER)
-                if schedule is not None:
-                    # None keeps the source's scheduler (an SFT export samples like its teacher).
-                    write_sampling_schedule(tmp, **schedule, stock_scheduler=self.family.stock_scheduler)
-            except OSError as exc:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointWriteError(
-                    f"could not export the student to {out_dir}: {checkpoint.describe_os_error(exc, out.parent)}; "
-                    "nothing at that path changed"
-                ) from exc
-            try:
-                # The directory may have appeared during the training.
-                check()
-            except Exception:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            if out.exists():
-                stale = out.parent / f".{out.name}.miles-export.stale"
-                shutil.rmtree(stale, ignore_errors=True)
-                os.rename(out, stale)
-                os.rename(tmp, out)
-                shutil.rmtree(stale)
-            else:
-                os.rename(tmp, out)
-            logger.debug("exported %s pipeline to %s", self.role, out)
+            write_pipeline(
+                Path(self.args.hf_checkpoint),
+                Path(out_dir),
+                self.family,
+                state_dict,
+                schedule,
+                overwrite=bool(getattr(self.args, "overwrite_save_hf", False)),
+                run_paths=run_paths or [],
+            )
+            logger.debug("exported %s pipeline to %s", self.role, out_dir)
         dist.barrier()
         return str(out_dir)
 
@@ -931,16 +774,3 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     """Bytes of this rank's part of a tensor (its shard of a DTensor)."""
     tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return tensor.numel() * tensor.element_size()
-
-
-def _hidden(directory: str, names: list[str]) -> list[str]:
-    return [name for name in names if name.startswith(".")]
-
-
-def _link_or_copy(src: str, dst: str) -> str:
-    # Pipelines hold GBs of text encoders and VAE that the export does not change: hard-link them when possible.
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.actor import split_windows
+from miles.backends.fsdp_utils.hooks import split_windows
 from miles.backends.fsdp_utils.loss_hub.dmd2 import (
     dmd2_loss_formula,
     predict_teacher_and_critic_x0,

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from miles.backends.fsdp_utils import checkpoint
-from miles.backends.fsdp_utils.actor import load_hooks, metric_key, split_windows
+from miles.backends.fsdp_utils.hooks import load_hooks, metric_key, split_windows
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.eval.digits.data import write_digits_jsonl
@@ -182,9 +182,17 @@ def test_sleep_wake_and_bad_inputs(ray_cluster, pipeline, family, tmp_path):
         assert ray.get(group.async_sleep_state()) == ["awake", "awake"]
         after = ray.get(group.async_get_full_state_dict())[0]
         assert all(torch.equal(after[k], v) for k, v in before.items())
-        # Rank 1's hook drops a pair: every rank raises before any model collective, nothing hangs.
-        with pytest.raises(ray.exceptions.RayTaskError, match="different numbers of train pairs"):
-            ray.get(group.async_train(0, _boxes(family, 0)[1]))
+        # Rank 1's hook drops a pair: every rank raises before any model collective, nothing hangs. Rank 1 names
+        # what its hook did; rank 0 names rank 1.
+        refs = group.async_train(0, _boxes(family, 0)[1])
+        errors = []
+        for ref in refs:
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(ref, timeout=120)
+            errors.append(str(info.value))
+        hook = "train-input hook tests.support.trainer.drop_pairs_on_rank1"
+        assert f"{hook} failed its check on DP rank 1 of the critic group" in errors[0]
+        assert f"{hook} returned 3 train pairs for the 4 it was given" in errors[1]
     finally:
         _teardown(group, pg)
 
@@ -248,9 +256,14 @@ def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_
             PromptShard(1, [0, 1], shards[0].prompts[:2], shards[0].records[:2]),
             PromptShard(1, [98, 99], shards[1].prompts[:2], shards[1].records[:2]),
         ]
-        message = "actor ranks hold different numbers of train pairs .1..2. after the converter"
-        with pytest.raises(ray.exceptions.RayTaskError, match=message):
-            ray.get(group.async_generate(1, [Box(ray.put(shard)) for shard in uneven]))
+        errors = []
+        for ref in group.async_generate(1, [Box(ray.put(shard)) for shard in uneven]):
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(ref, timeout=120)
+            errors.append(str(info.value))
+        converter = "converter tests.support.trainer.dmd2_pairs_without_sample_99"
+        assert f"{converter} failed its check on DP rank 1 of the actor group" in errors[0]
+        assert f"{converter} returned 1 train pairs for 2 samples" in errors[1]
     finally:
         _teardown(group, pg)
 

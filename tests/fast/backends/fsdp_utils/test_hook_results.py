@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.actor import check_loss, check_prepared, check_train_input
+from miles.backends.fsdp_utils.hooks import check_loss, check_prepared, check_train_input
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.models import get_model_family
