@@ -592,8 +592,8 @@ def median_over(per_rollout: dict[int, float], first: int, last: int) -> float |
 
 
 def worker_keys(perf: dict[int, dict[str, float]]) -> list[str]:
-    """The in-worker ``perf/<role>-<phase>`` keys present in any rollout (SPEC.md: rank 0 of a group logs them;
-    the driver's own keys, ``perf/<role>_train_time`` and the like, have no dash)."""
+    """The in-worker ``perf/<role>-<phase>`` keys present in any rollout (rank 0 of a group logs them; see
+    docs/architecture.md, "Metrics"); the driver's own keys, ``perf/<role>_train_time`` and the like, have no dash."""
     present = {key for values in perf.values() for key in values}
     return sorted(key for key in present if "-" in key.removeprefix("perf/"))
 
@@ -624,7 +624,8 @@ def with_gaps(perf: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
 
 
 def phase_rows(perf: dict[int, dict[str, float]]) -> list[tuple[str, str]]:
-    """``(label, key)`` rows of a miles run's breakdown: SPEC.md's names first, then any other ``perf/*`` key."""
+    """``(label, key)`` rows of a miles run's breakdown: the names of docs/architecture.md ("Metrics") first, then
+    any other ``perf/*`` key."""
     rows = [
         ("step (driver wall clock)", "perf/step_time"),
         ("  rollout: prompt shards + generation", "perf/rollout_time"),

@@ -5,7 +5,7 @@ Run::
     python -m miles.plot RUN_DIR [--out DIR]     # PNGs into DIR, default RUN_DIR/plots/
 
 or call :func:`plot_run` (the recipe does at the end of each stage). Figures, each written only when at least one
-of its keys is in the file (key names: SPEC "Metric names"), so an SFT run simply gets fewer of them:
+of its keys is in the file (the names: docs/architecture.md, "Metrics"), so an SFT run simply gets fewer of them:
 
 * ``losses.png``: ``train/loss`` (actor) and ``train/<role>-loss`` (critic, ...), one panel per group.
 * ``grad_norms.png``: ``train/grad_norm`` and ``train/<role>-grad_norm``.
@@ -128,7 +128,7 @@ def _record_step(record: dict[str, Any]) -> float | None:
 
 
 def _train_role_and_name(key: str) -> tuple[str, str]:
-    """``train/loss`` → ("actor", "loss"); ``train/critic-loss`` → ("critic", "loss") (SPEC metric names)."""
+    """``train/loss`` → ("actor", "loss"); ``train/critic-loss`` → ("critic", "loss") (docs/architecture.md, "Metrics")."""
     rest = key[len("train/") :]
     if "-" in rest:
         role, name = rest.split("-", 1)

@@ -224,7 +224,7 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
 
 
 def test_breakdown_shows_absent_keys_as_dashes_and_derives_the_gaps():
-    """The miles table from records as the driver and rank 0 write them: today's keys, then SPEC.md's full set."""
+    """The miles table from records as the driver and rank 0 write them: today's keys, then the full set of docs/architecture.md's "Metrics"."""
     today = {r: {"perf/step_time": 1.0 + r, "perf/rollout_time": 0.1, "perf/critic_train_time": 0.5} for r in range(3)}
     run = overhead.MilesRun(1, 8, [], Path("."), Path("train.log"), perf=today)
     table, medians = overhead.miles_table(run, first=1, last=2)
