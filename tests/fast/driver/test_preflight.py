@@ -11,10 +11,15 @@ from tests.support.arguments import validated as _validate
 
 
 def _fake_digits_pipeline(path):
-    """A pipeline directory as far as the input checks read it: model_index.json and the transformer config."""
+    """A pipeline directory as far as the input checks read it: model_index.json, the transformer config and a
+    finite weights file."""
+    import torch
+    from safetensors.torch import save_file
+
     (path / "transformer").mkdir(parents=True)
     (path / "model_index.json").write_text('{"_class_name": "DigitsPipeline"}')
     (path / "transformer" / "config.json").write_text('{"in_channels": 1, "sample_size": 8}')
+    save_file({"proj_out.weight": torch.zeros(4, 4)}, str(path / "transformer" / "diffusion_pytorch_model.safetensors"))
     return path
 
 
