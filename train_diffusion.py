@@ -188,7 +188,7 @@ def train(args) -> None:
         create_training_models,
     )
     from miles.utils.paths import check_export_target
-    from miles.utils.tracking import MetricsTracker, drop_records_from
+    from miles.utils.tracking import MetricsTracker, drop_records_from, move_aside_earlier_metrics
 
     start_time = time.perf_counter()
     load_rollout_id = resume_rollout(group_dirs(args, "load")) if args.load else None
@@ -202,10 +202,16 @@ def train(args) -> None:
         for path in remove_uncommitted(group_dirs(args, "save"), committed):
             logger.info("removed %s (not committed by the run that wrote it)", path)
     if load_rollout_id is not None:
-        # The resumed rollouts log again: their records of an earlier attempt in this --output-dir go.
-        dropped = drop_records_from(args.output_dir, load_rollout_id + 1)
-        if dropped:
-            logger.info("dropped %d metrics records of rollouts after %d (logged again)", dropped, load_rollout_id)
+        # The resumed rollouts log again: their records of an earlier attempt in this --output-dir move aside.
+        moved, aside = drop_records_from(args.output_dir, load_rollout_id + 1)
+        if moved:
+            logger.info(
+                "moved %d metrics records of rollouts after %d to %s (logged again)", moved, load_rollout_id, aside
+            )
+    else:
+        aside = move_aside_earlier_metrics(args.output_dir)
+        if aside is not None:
+            logger.info("an earlier run's metrics.jsonl in --output-dir is now %s; this run writes its own", aside)
     started = []  # what this run starts, ended in reverse order whatever happens
     tracker = None
     try:
@@ -322,13 +328,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        if args.ray_address is None:
+        # Without --ray-address (or RAY_ADDRESS, which ray.init reads) a run starts a local cluster of its own:
+        # ray.init(address=None) would join any other cluster on this machine, and die with it.
+        address = args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+        if address == "local":
             from miles.driver.watchdog import start_watchdog
 
             # Ends the local cluster's processes should this process die without shutting Ray down (kill -9); after a
             # clean shutdown it finds nothing left and exits.
             start_watchdog()
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C; set after ray.init, which installs its own
     # handlers. SIGINT is set too: a driver started in the background inherits it ignored.
     for signum in (signal.SIGINT, signal.SIGTERM):

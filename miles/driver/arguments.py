@@ -63,7 +63,10 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="CPUs (and torch threads) of each rank's bundle; default: a node's CPUs / its ranks.",
     )
     group.add_argument(
-        "--ray-address", type=str, default=None, help="Ray cluster to join; default starts a local one."
+        "--ray-address",
+        type=str,
+        default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS if set, else a new local cluster of this run's own).",
     )
     group.add_argument("--dry-run", action="store_true", help="Validate, print groups, placement and schedule, exit.")
 
@@ -487,8 +490,21 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--save-interval needs --save and must be >= 1")
     if args.overwrite_save and not args.save:
         reject("--overwrite-save needs --save (the directory to start afresh in)")
-    if args.overwrite_save and args.load and os.path.realpath(args.load) == os.path.realpath(args.save):
-        reject(f"--overwrite-save would remove the checkpoints --load {args.load} resumes from; drop one of them")
+    if args.overwrite_save and args.load:
+        # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
+        from miles.utils.trainer_config import compute_trainer_args
+
+        groups = [
+            (config.role, compute_trainer_args(args, config)) for config in get_method(args).trainer_configs(args)
+        ]
+        loads = {os.path.realpath(group.load): role for role, group in groups if group.load}
+        for name, path in group_paths(args, ("save",)):
+            role = loads.get(os.path.realpath(path))
+            if role is not None:
+                reject(
+                    f"--overwrite-save would remove {name} {path}, the {role} group's checkpoints that --load "
+                    f"{args.load} resumes from; drop one of them"
+                )
     if args.save_hf:
         # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
         check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))

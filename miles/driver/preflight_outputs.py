@@ -79,11 +79,16 @@ def check_save_dirs(args: argparse.Namespace) -> None:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         where = "--save" if role == "actor" else f"the {role} group's --save"
         has_commit = os.path.isfile(os.path.join(args.save, LATEST_FILE))
-        fix = (
-            f"resume it with --load {args.save}, or add --overwrite-save to remove them"
-            if has_commit
-            else ("add --overwrite-save to remove them (none is committed, so there is nothing to resume)")
-        )
+        if has_commit:
+            fix = f"resume it with --load {args.save}, or add --overwrite-save to remove them"
+        elif role == "actor" and not os.path.isfile(os.path.join(group.save, LATEST_FILE)):
+            # Another run's commit may live elsewhere: a directory X_critic holds the critic group of run X.
+            fix = (
+                "they may be another group's checkpoints of a run whose commit lives in a sibling directory (X_critic "
+                "belongs to the run saved in X); add --overwrite-save only if they are no run's"
+            )
+        else:
+            fix = "add --overwrite-save to remove them (none is committed, so there is nothing to resume)"
         reject(f"{where} {group.save} holds checkpoints of another run ({shown}); {fix}, or pick a new --save")
 
 

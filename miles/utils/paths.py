@@ -11,7 +11,7 @@ from pathlib import Path
 
 from miles.utils.validation import reject
 
-__all__ = ["check_export_target", "export_entries", "nearest_existing", "path_relation", "probe_writable"]
+__all__ = ["check_export_target", "nearest_existing", "path_relation", "probe_writable"]
 
 # What marks a diffusers pipeline directory.
 MODEL_INDEX = "model_index.json"
@@ -55,10 +55,31 @@ def probe_writable(path: str | os.PathLike) -> str | None:
     return None
 
 
-def export_entries(source: str | os.PathLike) -> set[str]:
-    """The top-level names an export of pipeline ``source`` writes: the source's entries, hidden ones (tool markers
-    such as ``.miles_stage_complete.json``, ``.git``) excluded."""
-    return {entry.name for entry in Path(source).iterdir() if not entry.name.startswith(".")}
+def _relative_files(root: str | os.PathLike, skip_hidden: bool = False) -> set[str]:
+    """Every file and directory under ``root`` as a path relative to it (hidden top-level entries left out when
+    ``skip_hidden``)."""
+    root = Path(root)
+    return {
+        str(path.relative_to(root))
+        for path in root.rglob("*")
+        if not (skip_hidden and path.relative_to(root).parts[0].startswith("."))
+    }
+
+
+def _exported_files(out: Path) -> set[str]:
+    """What an earlier export wrote that its source may lack: the transformer's weights and config as
+    ``save_pretrained`` names them, and the scheduler config; a user's other files are none of these."""
+    names = {"transformer", "scheduler", "transformer/config.json", "scheduler/scheduler_config.json"}
+    transformer = out / "transformer"
+    if transformer.is_dir():
+        names |= {
+            f"transformer/{entry.name}"
+            for entry in transformer.iterdir()
+            if entry.is_file()
+            and entry.name.startswith("diffusion_pytorch_model")
+            and entry.suffix in (".safetensors", ".json")
+        }
+    return names
 
 
 def check_export_target(
@@ -96,7 +117,7 @@ def check_export_target(
     if not overwrite:
         reject(f"--save-hf {out_dir} holds a pipeline already; add --overwrite-save-hf to replace it")
     if Path(source).is_dir():
-        extra = sorted({entry.name for entry in out.iterdir()} - export_entries(source))
+        extra = sorted(_relative_files(out) - _relative_files(source, skip_hidden=True) - _exported_files(out))
         if extra:
             shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
             reject(

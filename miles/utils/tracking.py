@@ -122,33 +122,60 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def drop_records_from(output_dir: str | Path, first_rollout: int) -> int:
-    """Remove the records of rollouts ``>= first_rollout`` from ``<output_dir>/metrics.jsonl``: a resume at
-    ``first_rollout`` logs them again, and a rollout must not appear twice. The file is rewritten atomically (a
-    temporary sibling, then ``os.replace``); a line that is not JSON (a crash mid-write) is dropped too. Returns the
-    number of lines dropped (0 when the file does not exist)."""
+def _free_sibling(path: Path, label: str) -> Path:
+    """``metrics.<label>.jsonl`` beside ``path``, or ``metrics.<label>.<n>.jsonl`` with the first free ``n``."""
+    candidate = path.with_name(f"{path.stem}.{label}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}.{label}.{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+def drop_records_from(output_dir: str | Path, first_rollout: int) -> tuple[int, Path | None]:
+    """Move the records of rollouts ``>= first_rollout`` out of ``<output_dir>/metrics.jsonl``: a resume at
+    ``first_rollout`` logs them again, and a rollout must not appear twice. Nothing is deleted: the moved lines go
+    to ``metrics.before-resume-<first_rollout>.jsonl`` beside it (they may be another run's, when two runs share an
+    ``--output-dir``). The file is rewritten atomically (a temporary sibling, then ``os.replace``); a line that is
+    not JSON (a crash mid-write) is moved too.
+
+    Returns:
+        ``(lines moved, the file they went to)``; ``(0, None)`` when nothing moved or the file does not exist.
+    """
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
-        return 0
-    kept, dropped = [], 0
+        return 0, None
+    kept, moved = [], []
     with open(path) as f:
         for line in f:
             if not line.strip():
                 continue
+            line = line if line.endswith("\n") else line + "\n"
             try:
-                record = json.loads(line)
-                keep = int(record.get("rollout_id", -1)) < first_rollout
+                keep = int(json.loads(line).get("rollout_id", -1)) < first_rollout
             except (ValueError, TypeError, AttributeError):
                 keep = False
-            if keep:
-                kept.append(line if line.endswith("\n") else line + "\n")
-            else:
-                dropped += 1
-    if dropped:
-        tmp = path.with_name(f".{METRICS_FILE}.tmp")
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    return dropped
+            (kept if keep else moved).append(line)
+    if not moved:
+        return 0, None
+    aside = _free_sibling(path, f"before-resume-{first_rollout}")
+    aside.write_text("".join(moved))
+    tmp = path.with_name(f".{METRICS_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(moved), aside
+
+
+def move_aside_earlier_metrics(output_dir: str | Path) -> Path | None:
+    """A run that does not resume starts its own ``metrics.jsonl``: an earlier run's file in the same
+    ``--output-dir`` is renamed to ``metrics.earlier.jsonl`` (or ``metrics.earlier.<n>.jsonl``), never appended to
+    or deleted. Returns the new name, or None when there was no such file."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    aside = _free_sibling(path, "earlier")
+    os.rename(path, aside)
+    return aside

@@ -316,11 +316,23 @@ def test_no_ray_process_outlives_a_driver_killed_with_sigkill(root, tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_a_resume_into_the_same_output_dir_drops_the_records_it_logs_again(tmp_path):
-    from miles.utils.tracking import drop_records_from
+def test_a_resume_into_the_same_output_dir_moves_aside_the_records_it_logs_again(tmp_path):
+    from miles.utils.tracking import drop_records_from, move_aside_earlier_metrics
 
     lines = [{"job": "driver", "rollout_id": r, "train/loss": float(r)} for r in (0, 1, 1, 2, 3)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"job": "dri')
-    assert drop_records_from(tmp_path, 2) == 3  # rollouts 2 and 3, and the line a crash cut short
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"job": "dri')
+    moved, aside = drop_records_from(tmp_path, 2)  # rollouts 2 and 3, and the line a crash cut short
+    assert moved == 3 and aside == tmp_path / "metrics.before-resume-2.jsonl"
     assert [r["rollout_id"] for r in read_metrics(tmp_path)] == [0, 1, 1]
+    # Nothing is lost: the moved lines, in order, are beside it.
+    assert aside.read_text() == "".join(json.dumps(line) + "\n" for line in lines[3:]) + '{"job": "dri\n'
     assert not list(tmp_path.glob(".*"))
+    # A second resume at the same rollout does not overwrite the first one's file.
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert drop_records_from(tmp_path, 2)[1] == tmp_path / "metrics.before-resume-2.1.jsonl"
+    # A run that does not resume starts its own file; the earlier one keeps every line under a new name.
+    assert move_aside_earlier_metrics(tmp_path) == tmp_path / "metrics.earlier.jsonl"
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "metrics.earlier.jsonl").read_text() == "".join(json.dumps(line) + "\n" for line in lines[:3])
+    assert move_aside_earlier_metrics(tmp_path) is None

@@ -206,10 +206,32 @@ def _critic_save_holds_another_run(w, d):
     return argv, f"the critic group's --save {d / 'ckpt_critic'} holds checkpoints of another run (rollout_3)"
 
 
+def _save_into_another_runs_critic_directory(w, d):
+    # Run X's critic checkpoints, whose commit lives in X: nothing here is "uncommitted" to delete.
+    checkpoint_layout(d / "run", 1)
+    checkpoint_layout(d / "run_critic", 1, commit=False)
+    argv = sft(w, d, "--save", str(d / "run_critic"))
+    return argv, "a run whose commit lives in a sibling directory (X_critic belongs to the run saved in X)"
+
+
 def _overwrite_save_what_load_resumes(w, d):
     checkpoint_layout(d / "ckpt", 0)
     argv = sft(w, d, "--load", str(d / "ckpt"), "--save", str(d / "ckpt"), "--overwrite-save")
-    return argv, f"--overwrite-save would remove the checkpoints --load {d / 'ckpt'} resumes from"
+    return (
+        argv,
+        f"--overwrite-save would remove --save {d / 'ckpt'}, the actor group's checkpoints that --load {d / 'ckpt'}",
+    )
+
+
+def _overwrite_save_of_the_critic_that_load_resumes(w, d):
+    # --save X_critic beside --load X: the new actor directory is the old run's critic directory.
+    checkpoint_layout(d / "ckpt", 1)
+    checkpoint_layout(d / "ckpt_critic", 1, commit=False)
+    argv = dmd2(w, d, "--load", str(d / "ckpt"), "--save", str(d / "ckpt_critic"), "--overwrite-save")
+    return (
+        argv,
+        f"--overwrite-save would remove --save {d / 'ckpt_critic'}, the critic group's checkpoints that --load",
+    )
 
 
 def _save_hf_is_save(w, d):
@@ -247,6 +269,13 @@ def _save_hf_pipeline_with_user_files(w, d):
     write(d / "student" / "notes.txt", "mine\n")
     argv = sft(w, d, "--save-hf", str(d / "student"), "--overwrite-save-hf")
     return argv, f"--save-hf {d / 'student'} holds notes.txt, not part of the pipeline the export writes"
+
+
+def _save_hf_pipeline_with_user_files_in_a_component(w, d):
+    copy_pipeline(w.pipeline, d / "student")
+    write(d / "student" / "transformer" / "notes.txt", "mine\n")
+    argv = sft(w, d, "--save-hf", str(d / "student"), "--overwrite-save-hf")
+    return argv, f"--save-hf {d / 'student'} holds transformer/notes.txt, not part of the pipeline the export writes"
 
 
 def _save_under_a_file(w, d):
@@ -348,7 +377,9 @@ COMMANDS: dict[str, Callable] = {
     "load-without-critic-checkpoint": _load_without_critic_checkpoint,
     "save-holds-another-run": _save_holds_another_run,
     "critic-save-holds-another-run": _critic_save_holds_another_run,
+    "save-into-another-runs-critic-directory": _save_into_another_runs_critic_directory,
     "overwrite-save-what-load-resumes": _overwrite_save_what_load_resumes,
+    "overwrite-save-of-the-critic-that-load-resumes": _overwrite_save_of_the_critic_that_load_resumes,
     # output paths
     "save-hf-is-save": _save_hf_is_save,
     "save-hf-contains-the-run": _save_hf_contains_run,
@@ -357,6 +388,7 @@ COMMANDS: dict[str, Callable] = {
     "save-hf-not-a-pipeline": _save_hf_not_a_pipeline,
     "save-hf-pipeline-without-overwrite": _save_hf_pipeline_without_overwrite,
     "save-hf-pipeline-with-user-files": _save_hf_pipeline_with_user_files,
+    "save-hf-pipeline-with-user-files-in-a-component": _save_hf_pipeline_with_user_files_in_a_component,
     "save-under-a-file": _save_under_a_file,
     "output-dir-is-a-file": _output_dir_is_a_file,
     "save-hf-unwritable": _save_hf_unwritable,
