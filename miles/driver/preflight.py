@@ -150,6 +150,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
 
     group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
     for name in HOOK_FLAGS:
+        if getattr(args, name, None) == "":
+            # An empty value would otherwise fall back to nothing, or to the method's hook, silently.
+            reject(f"--{name.replace('_', '-')} is empty; pass a dotted path 'package.module.function' or drop it")
         for path in dict.fromkeys(getattr(each, name, None) for each in [args, *group_args]):
             if path:
                 try:

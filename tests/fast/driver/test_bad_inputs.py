@@ -214,6 +214,10 @@ def _save_into_another_runs_critic_directory(w, d):
     return argv, "a run whose commit lives in a sibling directory (X_critic belongs to the run saved in X)"
 
 
+def _empty_hook_path(w, d):
+    return sft(w, d, "--custom-loss-function-path", ""), "--custom-loss-function-path is empty"
+
+
 def _overwrite_save_what_load_resumes(w, d):
     checkpoint_layout(d / "ckpt", 0)
     argv = sft(w, d, "--load", str(d / "ckpt"), "--save", str(d / "ckpt"), "--overwrite-save")
@@ -378,6 +382,7 @@ COMMANDS: dict[str, Callable] = {
     "save-holds-another-run": _save_holds_another_run,
     "critic-save-holds-another-run": _critic_save_holds_another_run,
     "save-into-another-runs-critic-directory": _save_into_another_runs_critic_directory,
+    "empty-hook-path": _empty_hook_path,
     "overwrite-save-what-load-resumes": _overwrite_save_what_load_resumes,
     "overwrite-save-of-the-critic-that-load-resumes": _overwrite_save_of_the_critic_that_load_resumes,
     # output paths

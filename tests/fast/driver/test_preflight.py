@@ -19,7 +19,9 @@ def _fake_digits_pipeline(path):
     (path / "transformer").mkdir(parents=True)
     (path / "model_index.json").write_text('{"_class_name": "DigitsPipeline"}')
     (path / "transformer" / "config.json").write_text('{"in_channels": 1, "sample_size": 8}')
-    save_file({"proj_out.weight": torch.zeros(4, 4)}, str(path / "transformer" / "diffusion_pytorch_model.safetensors"))
+    save_file(
+        {"proj_out.weight": torch.zeros(4, 4)}, str(path / "transformer" / "diffusion_pytorch_model.safetensors")
+    )
     return path
 
 

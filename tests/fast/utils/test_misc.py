@@ -104,3 +104,23 @@ def test_load_function_errors_name_the_path_and_the_problem(path, message):
 def test_load_function_rejects_a_non_string():
     with pytest.raises(ValueError, match="must be a dotted path"):
         load_function(None)
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ('raise RuntimeError("boom")\n', "importing module 'hook_mod_{i}' raised RuntimeError: boom"),
+        ("def f(:\n", "importing module 'hook_mod_{i}' raised SyntaxError: invalid syntax"),
+        ("import sys\nsys.exit(0)\n", "importing module 'hook_mod_{i}' called sys.exit(0)"),
+    ],
+    ids=["raises", "syntax-error", "sys-exit"],
+)
+def test_a_hook_module_that_fails_on_import_is_named_with_its_path(tmp_path, monkeypatch, source, message):
+    # A module name of its own per case: an imported module would be cached in sys.modules.
+    i = len(source)  # distinct for the three cases
+    (tmp_path / f"hook_mod_{i}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as exc_info:
+        load_function(f"hook_mod_{i}.f")
+    assert str(exc_info.value).startswith(f"hook path 'hook_mod_{i}.f': ")
+    assert message.format(i=i) in str(exc_info.value)
