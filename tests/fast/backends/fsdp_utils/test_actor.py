@@ -38,6 +38,16 @@ def family(pipeline):
     return get_model_family(pipeline)
 
 
+def _rank_errors(refs) -> list[str]:
+    """Each rank's error message, in rank order; a rank that returns, or still waits after 120 s, fails the test."""
+    errors = []
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=120)
+        errors.append(str(info.value))
+    return errors
+
+
 def _spawn(args, role="actor", load_rollout_id=None):
     pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
     ray.get(pg.ready())
@@ -184,12 +194,7 @@ def test_sleep_wake_and_bad_inputs(ray_cluster, pipeline, family, tmp_path):
         assert all(torch.equal(after[k], v) for k, v in before.items())
         # Rank 1's hook drops a pair: every rank raises before any model collective, nothing hangs. Rank 1 names
         # what its hook did; rank 0 names rank 1.
-        refs = group.async_train(0, _boxes(family, 0)[1])
-        errors = []
-        for ref in refs:
-            with pytest.raises(ray.exceptions.RayTaskError) as info:
-                ray.get(ref, timeout=120)
-            errors.append(str(info.value))
+        errors = _rank_errors(group.async_train(0, _boxes(family, 0)[1]))
         hook = "train-input hook tests.support.trainer.drop_pairs_on_rank1"
         assert f"{hook} failed its check on DP rank 1 of the critic group" in errors[0]
         assert f"{hook} returned 3 train pairs for the 4 it was given" in errors[1]
@@ -256,11 +261,7 @@ def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_
             PromptShard(1, [0, 1], shards[0].prompts[:2], shards[0].records[:2]),
             PromptShard(1, [98, 99], shards[1].prompts[:2], shards[1].records[:2]),
         ]
-        errors = []
-        for ref in group.async_generate(1, [Box(ray.put(shard)) for shard in uneven]):
-            with pytest.raises(ray.exceptions.RayTaskError) as info:
-                ray.get(ref, timeout=120)
-            errors.append(str(info.value))
+        errors = _rank_errors(group.async_generate(1, [Box(ray.put(shard)) for shard in uneven]))
         converter = "converter tests.support.trainer.dmd2_pairs_without_sample_99"
         assert f"{converter} failed its check on DP rank 1 of the actor group" in errors[0]
         assert f"{converter} returned 1 train pairs for 2 samples" in errors[1]
