@@ -5,14 +5,13 @@ all in the checkpoint). 2 DP ranks on CPU, inside the session's Ray cluster."""
 
 import json
 import math
-import signal
 
 import pytest
 import torch
 
-import train_diffusion
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.utils.tracking import read_metrics
+from tests.support.driver import run_main
 from tests.support.trainer import make_pipeline
 
 GAN_ACTOR = ["train/dmd2_gan_grad_abs_mean", "train/dmd2_gan_dm_grad_ratio"]
@@ -22,15 +21,6 @@ GAN_CRITIC = [
     "train/critic-gan_logit_fake",
     "train/critic-sft_loss",
 ]
-
-
-def _main(argv):
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
 
 
 def _argv(root, out, *extra):
@@ -58,7 +48,7 @@ def run(tmp_path_factory, ray_cluster):
     ]
     (root / "real.jsonl").write_text("".join(json.dumps(record) + "\n" for record in real))
     save, export, out = root / "ckpt", root / "student", root / "full"
-    _main(_argv(root, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
+    run_main(_argv(root, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
     return {"root": root, "save": save, "export": export, "records": read_metrics(out)}
 
 
@@ -103,7 +93,7 @@ def test_resume_from_a_mid_run_commit_repeats_the_figures_exactly(run):
     root, save = run["root"], run["save"]
     (save / "latest").write_text("1\n")  # as if the run had died during rollout 2
     out = root / "resumed"
-    _main(_argv(root, out, "--save", str(save), "--load", str(save)))
+    run_main(_argv(root, out, "--save", str(save), "--load", str(save)))
     resumed = read_metrics(out)
     keys = ["train/loss", "train/critic-loss", *GAN_ACTOR, *GAN_CRITIC]
     for key in keys:

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_diffusion
 from miles.backends.fsdp_utils import checkpoint
 from miles.driver.watchdog import descendants, process_start_time
 from miles.utils.tracking import read_metrics
+from tests.support.driver import run_main
 from tests.support.inputs import checkpoint_layout, write_digit_records
 from tests.support.trainer import make_pipeline, single_process_group
 
@@ -40,15 +40,6 @@ def root(tmp_path_factory):
     write_digit_records(root / "train.jsonl", 16)
     write_digit_records(root / "prompts.jsonl", 8, images=False)
     return root
-
-
-def _main(argv: list[str]) -> None:
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
 
 
 def _dmd2(root: Path, out: Path, save: Path, *extra: str) -> list[str]:
@@ -131,7 +122,7 @@ def reference(root, ray_cluster):
     out = root / "reference"
     (root / "digits" / MARKER).write_text('{"finished": "yesterday"}\n')
     try:
-        _main(_dmd2(root, out, root / "reference_ckpt", "--save-hf", str(root / "reference_student")))
+        run_main(_dmd2(root, out, root / "reference_ckpt", "--save-hf", str(root / "reference_student")))
     finally:
         (root / "digits" / MARKER).unlink()
     return _train_figures(out)
@@ -159,7 +150,7 @@ def test_a_driver_killed_during_a_save_and_between_the_groups_saves_resumes_to_t
     assert checkpoint.read_latest(save) == 1
     assert checkpoint.complete_rollouts(critic_save) == [0, 1, 2] and checkpoint.complete_rollouts(save) == [0, 1]
     # 3. Resumed again, it finishes.
-    _main([*argv, "--load", str(save)])
+    run_main([*argv, "--load", str(save)])
     assert checkpoint.read_latest(save) == 2
     for directory in (save, critic_save):
         assert checkpoint.complete_rollouts(directory) == [0, 1, 2]
@@ -179,7 +170,7 @@ def test_a_disk_that_fills_during_a_save_stops_with_no_space_left_and_keeps_the_
                 "--custom-train-output-function-path", "tests.support.faults.fill_disk_after_rollout_0")  # fmt: skip
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        _main(argv)
+        run_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 1
     (line,) = [line for line in err.splitlines() if line.startswith(PREFIX)]
@@ -204,7 +195,7 @@ def test_a_nan_student_stops_the_run_at_the_guard_and_the_last_good_checkpoint_s
                 "--overwrite-save")  # fmt: skip
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        _main(argv)
+        run_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 1
     (line,) = [line for line in err.splitlines() if line.startswith(PREFIX)]

@@ -9,15 +9,14 @@ one line naming the group, rank, method and rollout).
 """
 
 import json
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-import train_diffusion
 from tests.support.cli import run_commands
+from tests.support.driver import run_main
 from tests.support.inputs import (
     checkpoint_layout,
     copy_pipeline,
@@ -485,16 +484,6 @@ RUN_TIME = {
 }
 
 
-def _main(argv: list[str]) -> None:
-    """``train_diffusion.main`` in this process, on the session's cluster; pytest's signal handlers put back."""
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-
-
 def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith(PREFIX)]
 
@@ -506,7 +495,7 @@ def test_bad_hook_result_fails_on_one_line_naming_rank_hook_and_rollout(world, r
     shared = tree_hashes(world.root / "shared")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        _main(argv)
+        run_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 1, err[-3000:]
     assert len(_error_lines(err)) == 1, err[-3000:]
@@ -527,7 +516,7 @@ def test_a_worker_that_exits_is_reported_dead_with_its_exit_code(world, ray_clus
                "--custom-train-output-function-path", f"{FAULTS}.output_exits")  # fmt: skip
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        _main(argv)
+        run_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 1
     assert _error_lines(err) == [f"{PREFIX}actor rank 0 died in train (rollout 0) (exit code 3)"], err[-3000:]
@@ -541,7 +530,7 @@ def test_a_save_hf_directory_that_appears_during_training_is_refused_before_the_
                "--custom-train-output-function-path", f"{FAULTS}.output_fills_save_hf")  # fmt: skip
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        _main(argv)
+        run_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert _error_lines(err) == [

@@ -14,7 +14,6 @@ the comparison pins the whole multi-step rule, not just its first step.
 
 import json
 import shutil
-import signal
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from miles.models import get_model_family
 from miles.models.sampling_schedule import stock_sampling_kwargs, write_sampling_schedule
 from miles.models.sd3 import SD3Family
 from miles.utils.sampling import FlowNoiseSchedule, denoise
+from tests.support.driver import run_main
 from tests.support.sd3_t5 import CLIP_TOKENS, JOINT_DIM, tiny_sd3_t5_pipeline
 
 PROMPTS = ["a red square", "a blue circle", "two green dots", "a yellow line"]
@@ -33,7 +33,6 @@ LATENT = (len(PROMPTS), 4, 8, 8)
 def _train(pipeline, data, out, export, num_steps: int) -> None:
     """``train_diffusion.main`` in this process, on the session's Ray cluster; pytest's signal handlers are put
     back afterwards (the driver installs its own)."""
-    import train_diffusion
 
     argv = [
         "--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
@@ -42,12 +41,7 @@ def _train(pipeline, data, out, export, num_steps: int) -> None:
         "--dmd2-teacher-guidance-scale", "2", "--diffusion-num-steps", str(num_steps), "--num-rollout", "2",
         "--lr", "1e-3", "--critic-lr", "1e-3", "--output-dir", str(out), "--save-hf", str(export),
     ]  # fmt: skip
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    run_main(argv)
 
 
 @pytest.fixture(scope="module")

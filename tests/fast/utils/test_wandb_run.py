@@ -3,11 +3,10 @@ train, perf, health and eval scalars and the eval media (the sample grid and the
 the run's own transaction log."""
 
 import json
-import signal
 
 import pytest
 
-import train_diffusion
+from tests.support.driver import run_main
 from tests.support.trainer import make_pipeline
 from tests.support.wandb_log import history_rows
 
@@ -31,12 +30,7 @@ def run(tmp_path_factory, ray_cluster):
         "--eval-function-path", "miles.eval.digits.digits_eval_hook", "--use-wandb", "--wandb-mode", "offline",
         "--output-dir", str(out),
     ]  # fmt: skip
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_diffusion.main(argv)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    run_main(argv)
     return out
 
 
