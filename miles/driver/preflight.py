@@ -2,8 +2,8 @@
 
 ``parse_args`` checks flag values only; these also open the files and hook modules the flags name, so that a typo
 fails in seconds on one line (exit code 2) instead of inside a Ray worker, or after the training for
-``--eval-function-path``. They are separate so that ``--dry-run`` can check a command meant for a machine that holds
-the data (``check_paths=False``).
+``--eval-function-path``. ``--dry-run`` runs them too: a dry run on the machine that holds the data and the
+pipelines checks everything a real run checks before Ray starts.
 """
 
 import argparse
@@ -32,14 +32,20 @@ def _check_pipeline(flag: str, path: str, family_override: str | None) -> None:
 
     if not os.path.isdir(path):
         reject(f"{flag} {path}: no such directory; pass a diffusers pipeline directory")
+    from miles.models.base import read_scheduler_config
+
     try:
         family = get_model_family(path, family_override)
         family.latent_shape(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # The trainer's σ grid and the export's scheduler come from it.
+        read_scheduler_config(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         reject(f"{flag} {path} is not a usable pipeline directory: {exc}")
 
 
-def _check_records(flag: str, path: str, input_key: str, image_key: str | None = None) -> list:
+def _check_records(
+    flag: str, path: str, input_key: str, image_key: str | None = None, latent_key: str | None = None
+) -> list:
     from miles.rollout.data_source import JsonlPromptSource
 
     try:
@@ -48,10 +54,11 @@ def _check_records(flag: str, path: str, input_key: str, image_key: str | None =
         reject(str(exc))
     if image_key is not None:
         for number, record in enumerate(records, start=1):
-            if image_key not in record:
+            if image_key not in record and not isinstance(record.get(latent_key), str):
                 reject(
                     f"{flag} {path}: record {number} (prompt {record[input_key]!r}) has no image under --image-key "
-                    f"{image_key!r}; --train-only trains on every record's image"
+                    f"{image_key!r} (nor a latent file under --latent-key {latent_key!r}); --train-only trains on "
+                    "every record's image"
                 )
     return records
 
@@ -86,7 +93,7 @@ def _group_pipelines(args: argparse.Namespace) -> list[tuple[str, str]]:
     return group_paths(args, ("hf_checkpoint", "teacher_load"))
 
 
-def _check_real_data(args: argparse.Namespace, flag: str, path: str) -> None:
+def _check_real_data(args: argparse.Namespace, flag: str, path: str) -> list:
     """Real samples (the GAN's ``--dmd2-gan-real-data``): records with a prompt and an image or latent file; images
     written into the JSONL load and fit the model's latent."""
     from miles.models import get_model_family
@@ -108,6 +115,7 @@ def _check_real_data(args: argparse.Namespace, flag: str, path: str) -> None:
                 load_image_latent(family, value, expected_shape=shape, where=where)
             except (OSError, ValueError, TypeError) as exc:
                 reject(str(exc))
+    return records
 
 
 def _check_negative_cond(path: str) -> None:
@@ -127,19 +135,22 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
 
     - every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, ``--eval-function-path``) imports
       and names a callable;
-    - ``--load`` holds a complete newest checkpoint;
+    - ``--load`` holds a complete, readable newest checkpoint of this loss type (``preflight_checkpoint``);
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
       ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
       prompt encodings, with readable, finite safetensors weights (``preflight_models``);
       ``--prompt-data`` (and ``--eval-prompt-data`` with ``--eval-interval``, the GAN's ``--dmd2-gan-real-data``)
       are JSONL files whose records carry ``--input-key`` (errors name the file and line), and with
       ``--train-only`` every record has an image under ``--image-key`` (images written into the JSONL are loaded
-      and must fit the model's latent shape); ``--negative-cond`` is a readable safetensors file;
+      and must fit the model's latent shape); the image, latent and cached cond files the records name exist, and
+      stored latents have the model's shape (``preflight_data``); ``--negative-cond`` is a readable safetensors
+      file; the method's own checks of its inputs (``Method.check_inputs``);
     - with ``check_paths``: every output directory takes files, holds no other run's checkpoints unless resumed or
       ``--overwrite-save``, and has room for a checkpoint (``preflight_outputs``; a warning when the run's
       checkpoints may not fit).
 
-    ``parse_args`` does not run these: a ``--dry-run`` may validate a command meant for a machine that holds the data.
+    ``parse_args`` does not run these; the driver runs them all, in a ``--dry-run`` too (``check_paths=False`` leaves
+    out the data, pipeline and output checks, for tests of the rest).
 
     Raises:
         ArgumentValidationError: at the first failed check; the message names the flag and the path.
@@ -160,18 +171,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
                 except ValueError as exc:
                     reject(f"--{name.replace('_', '-')}: {exc}")
     if args.load:
-        from miles.backends.fsdp_utils.checkpoint import resume_rollout
+        from miles.driver.preflight_checkpoint import check_load
 
-        load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
-        try:
-            committed = resume_rollout(load_dirs)
-        except (OSError, ValueError, RuntimeError) as exc:
-            reject(str(exc) if str(exc).startswith("--load") else f"--load {args.load}: {exc}")
-        if committed + 1 >= args.num_rollout:
-            reject(
-                f"--load {args.load} committed rollout {committed}, the last of --num-rollout {args.num_rollout}: "
-                f"nothing is left to train; raise --num-rollout above {committed + 1}"
-            )
+        check_load(args, group_args)
     if not check_paths:
         return
     from miles.driver import preflight_models, preflight_outputs
@@ -183,20 +185,27 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     preflight_models.check_compatible(args, pipelines)
     for label, path in pipelines:
         preflight_models.check_weights(label, path)
-    records = _check_records(
-        "--prompt-data", args.prompt_data, args.input_key, args.image_key if args.train_only else None
-    )
+    from miles.driver.preflight_data import check_record_files
+    from miles.models import get_model_family
+
+    shape = get_model_family(args.hf_checkpoint, args.diffusion_model_family).latent_shape(args.hf_checkpoint)
+    image_key = args.image_key if args.train_only else None
+    records = _check_records("--prompt-data", args.prompt_data, args.input_key, image_key, args.latent_key)
     if args.train_only:
         _check_inline_images(args, records)
+    check_record_files(args, "--prompt-data", args.prompt_data, records, shape if args.train_only else None)
     if args.eval_interval and args.eval_prompt_data:
-        _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
+        eval_records = _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
+        check_record_files(args, "--eval-prompt-data", args.eval_prompt_data, eval_records, None)
     real_data = get_method(args).real_data(args)
     if real_data:
         # Named by the method's flag that holds it (--dmd2-gan-real-data).
         name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
-        _check_real_data(args, flag(name), real_data)
+        real_records = _check_real_data(args, flag(name), real_data)
+        check_record_files(args, flag(name), real_data, real_records, shape)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
+    get_method(args).check_inputs(args)
     preflight_outputs.check_writable(args)
     preflight_outputs.check_save_dirs(args)
     preflight_outputs.check_disk_space(args)

@@ -45,12 +45,24 @@ def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def check_writable(args: argparse.Namespace) -> None:
-    """Every output directory is a directory (or can be created) and takes new files.
+    """Every output directory is a directory (or can be created) and takes new files, and none is or lies inside a
+    pipeline a group loads (checkpoints written into the teacher's directory would fill it).
 
     Raises:
         ArgumentValidationError: naming the flag, the path and why not.
     """
+    from miles.driver.arguments import group_paths
+    from miles.utils.paths import path_relation
+
+    pipelines = group_paths(args, ("hf_checkpoint", "teacher_load"))
     for name, path in output_paths(args):
+        for pipeline_flag, pipeline in pipelines:
+            relation = path_relation(path, pipeline)
+            # --save-hf has its own rules (check_export_target); a directory that contains a pipeline is harmless.
+            if relation in ("is", "lies inside") and name != "--save-hf":
+                what = "is also" if relation == "is" else relation
+                reject(f"{name} {path} {what} {pipeline_flag} {pipeline}, a pipeline the run reads; pick a directory "
+                       "outside it")  # fmt: skip
         if os.path.exists(path) and not os.path.isdir(path):
             reject(f"{name} {path} is a file; pass a directory")
         problem = probe_writable(path)

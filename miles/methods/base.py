@@ -85,6 +85,10 @@ class Method:
     def validate(self, args: argparse.Namespace) -> None:
         """Reject what this method cannot run (``ArgumentValidationError``, one line naming the flags)."""
 
+    def check_inputs(self, args: argparse.Namespace) -> None:
+        """Reject, before Ray starts, what this method's flags ask of the files they name (the driver's preflight
+        calls it after the pipelines and data passed their own checks)."""
+
     def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
         """The run's trainer groups in training order; the actor (student) is always one of them."""
         return [TrainerConfig("actor")]

@@ -23,14 +23,23 @@ def get_model_family(path: str | Path, override: str | None = None) -> ModelFami
         override: ``"sd3"`` or ``"digits"`` (``--diffusion-model-family``); None reads ``model_index.json``.
 
     Raises:
-        ValueError: on an unknown override or an unsupported ``_class_name``.
+        ValueError: on an unknown override, a ``model_index.json`` that is not a JSON object, or an unsupported
+            ``_class_name``.
         FileNotFoundError: when ``path/model_index.json`` is missing and no override is given.
     """
     name = override
     if name is None:
         model_index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
+        if not isinstance(model_index, dict):
+            raise ValueError(
+                f"{path}/model_index.json holds {type(model_index).__name__} {model_index!r:.40}, not a JSON object "
+                "naming the pipeline's _class_name and components"
+            )
         class_name = model_index.get("_class_name")
-        name = PIPELINE_CLASSES.get(class_name)
+        if isinstance(class_name, list) and len(class_name) == 2:
+            # diffusers' custom-pipeline form ["<module file in the directory>", "<class>"] (the digits exports).
+            class_name = class_name[1]
+        name = PIPELINE_CLASSES.get(class_name) if isinstance(class_name, str) else None
         if name is None:
             raise ValueError(
                 f"{path}/model_index.json has _class_name {class_name!r}; supported pipelines are "

@@ -24,6 +24,7 @@ __all__ = [
     "load_latent_file",
     "load_record_latent",
     "make_prompt_shard",
+    "read_jsonl_records",
     "split_prompts",
 ]
 
@@ -67,21 +68,7 @@ class JsonlPromptSource:
             raise FileNotFoundError(f"{flag} {self.path} is a directory; pass a JSONL file")
         if not self.path.is_file():
             raise FileNotFoundError(f"{flag} {self.path} does not exist")
-        self.records: list[dict[str, Any]] = []
-        with open(self.path) as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{flag} {self.path}:{line_no} is not valid JSON ({exc})") from exc
-                if not isinstance(record, dict) or input_key not in record:
-                    raise ValueError(
-                        f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
-                        "prompt's field"
-                    )
-                self.records.append(record)
+        self.records = read_jsonl_records(self.path, input_key, flag)
         if not self.records:
             raise ValueError(f"{flag} {self.path} holds no records")
         self.epoch = 0
@@ -133,6 +120,44 @@ class JsonlPromptSource:
             )
         self.epoch, self.cursor = epoch, cursor
         self._order = self._epoch_order(epoch)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def read_jsonl_records(path: str | Path, input_key: str, flag: str) -> list[dict[str, Any]]:
+    """Every record of a UTF-8 JSONL file, in file order (blank lines skipped).
+
+    Raises:
+        ValueError: naming ``flag``, the file and the line, for a gzip-compressed file, a line that is not UTF-8, not
+            a JSON object, or lacks ``input_key``.
+    """
+    path = Path(path)
+    records = []
+    with open(path, "rb") as f:
+        if f.read(2) == _GZIP_MAGIC:
+            raise ValueError(f"{flag} {path} is gzip-compressed; decompress it (gunzip) and pass the JSONL file")
+        f.seek(0)
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{flag} {path}:{line_no} is not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}); "
+                    "save the file as UTF-8 JSONL"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{flag} {path}:{line_no} is not valid JSON ({exc})") from exc
+            if not isinstance(record, dict) or input_key not in record:
+                raise ValueError(
+                    f"{flag} {path}:{line_no} has no field {input_key!r}; set --input-key to the prompt's field"
+                )
+            records.append(record)
+    return records
 
 
 def load_image(value: Any, base_dir: str | Path | None = None) -> torch.Tensor:
@@ -210,7 +235,8 @@ def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3.
+        ValueError: on another suffix, an unreadable file, several unnamed tensors, a rank other than 3 or a
+            non-finite value.
     """
     prefix = f"{where}: " if where else ""
     path = Path(path)
@@ -239,7 +265,12 @@ def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
         raise ValueError(f"{prefix}latent file {path} must be .safetensors or .npy")
     if latent.ndim != 3:
         raise ValueError(f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W)")
-    return latent.float()
+    latent = latent.float()
+    bad = int((~torch.isfinite(latent)).sum())
+    if bad:
+        # Trained on, it would only skip optimizer steps (the non-finite guard) without naming the record.
+        raise ValueError(f"{prefix}latent file {path} holds {bad} non-finite values (NaN/inf); re-encode the image")
+    return latent
 
 
 def load_record_latent(

@@ -247,8 +247,16 @@ class RolloutEngine:
         )
 
 
-def data_samples(args: Any, family: Any, conditioner: PromptConditioner, shard: PromptShard, latent_shape) -> list:
-    """``--train-only``: the shard's records as data samples whose ``x0`` is the record's clean latent.
+def data_samples(
+    args: Any,
+    family: Any,
+    conditioner: PromptConditioner,
+    shard: PromptShard,
+    latent_shape,
+    source: str = "--train-only sample",
+) -> list:
+    """``--train-only``: the shard's records as data samples whose ``x0`` is the record's clean latent (``source``
+    names them in errors: ``"real sample"`` for the GAN's real data).
 
     The latent is the record's ``--latent-key`` file (already in latent space) or its ``--image-key`` image turned
     into a latent by the family (see :func:`miles.rollout.data_source.load_record_latent`).
@@ -268,7 +276,7 @@ def data_samples(args: Any, family: Any, conditioner: PromptConditioner, shard: 
             record,
             shard.base_dir,
             expected_shape=latent_shape,
-            where=f"--train-only sample {index} (prompt {prompt!r})",
+            where=f"{source} {index} (prompt {prompt!r})",
         )
         samples.append(
             Sample(

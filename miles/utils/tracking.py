@@ -36,24 +36,31 @@ class MetricsTracker:
         args: reads ``output_dir``, ``use_wandb``, ``wandb_project`` and ``wandb_mode`` (``"offline"`` unless the
             user asks for ``"online"``).
         job: who logs, e.g. ``"driver"`` or a trainer role; written into every record and the wandb ``job_type``.
+        wandb_run_id: continue this wandb run (a resume: the id its checkpoint kept); None starts a new run.
 
-    Each record is ``{"job": job, "rollout_id": step, "time": unix seconds, **metrics}``.
+    Each record is ``{"job": job, "rollout_id": step, "time": unix seconds, **metrics}``. ``wandb_run_id`` is the
+    wandb run's id (None without ``--use-wandb``); the driver keeps it with every checkpoint.
     """
 
-    def __init__(self, args, job: str) -> None:
+    def __init__(self, args, job: str, wandb_run_id: str | None = None) -> None:
         self.job = job
         self.path = Path(args.output_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._wandb_run = None
+        self.wandb_run_id: str | None = None
         if getattr(args, "use_wandb", False):
-            self._wandb_run = self._init_wandb(args, job)
+            self._wandb_run = self._init_wandb(args, job, wandb_run_id)
+            self.wandb_run_id = self._wandb_run.id
 
     @staticmethod
-    def _init_wandb(args, job: str):
+    def _init_wandb(args, job: str, run_id: str | None):
         import wandb
 
         mode = getattr(args, "wandb_mode", "offline") or "offline"
         run = wandb.init(
+            # An id of our own, so that a resume can name the run; "allow" continues it when it exists.
+            id=run_id or wandb.util.generate_id(),
+            resume="allow",
             project=getattr(args, "wandb_project", "miles"),
             group=Path(args.output_dir).resolve().name,
             job_type=job,

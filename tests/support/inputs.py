@@ -3,6 +3,7 @@ directories laid out as ``checkpoint.py`` writes them, and a tree hash to prove 
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,13 +53,34 @@ def truncate_weights(pipeline: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def checkpoint_layout(save_dir: Path, rollout_id: int, *, commit: bool = True) -> Path:
-    """A directory laid out as a committed checkpoint of ``rollout_id`` (``metadata.json``, ``dcp/.metadata``,
-    ``latest``): what the preflight reads. Its tensors are absent, so it serves checks that never load it."""
-    path = save_dir / f"rollout_{rollout_id}"
-    (path / "dcp").mkdir(parents=True)
-    (path / "dcp" / ".metadata").write_bytes(b"")
-    (path / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id, "role": "actor", "world_size": 1}))
+def checkpoint_layout(
+    save_dir: Path, rollout_id: int, *, commit: bool = True, data_state=None, loss_type: str | None = None
+) -> Path:
+    """A real checkpoint of ``rollout_id`` as ``checkpoint.save_checkpoint`` writes it (DCP shards, per-rank file,
+    ``metadata.json``; ``latest`` with ``commit``), of a 4×4 linear layer and its AdamW: what the preflight reads,
+    though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes the run
+    record of ``miles.driver.resume``."""
+    import argparse
+
+    import torch
+
+    from miles.backends.fsdp_utils import checkpoint
+    from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+    from miles.driver.resume import run_record, write_run_record
+
+    settings = argparse.Namespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0,
+                                  min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant")  # fmt: skip
+    module = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer([module], settings)
+    state = checkpoint.TrainState(torch.nn.ModuleDict({"transformer": module}), optimizer)
+    scheduler = build_lr_scheduler(optimizer, settings, 10)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
+        path = checkpoint.save_checkpoint(save_dir, rollout_id, state, scheduler, role="actor", data_state=data_state)
+    if loss_type is not None:
+        write_run_record(
+            save_dir, run_record(argparse.Namespace(loss_type=loss_type, **vars(settings)), rollout_id, None)
+        )
     if commit:
         (save_dir / "latest").write_text(f"{rollout_id}\n")
     return path

@@ -63,7 +63,7 @@ from miles.backends.fsdp_utils.model import (
     shard_model,
     window_sync,
 )
-from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.optimizer import apply_optimizer_args, build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.models.base import read_scheduler_config
 from miles.rollout.conditioning import PromptConditioner
@@ -217,6 +217,8 @@ class FSDPTrainRayActor:
         start_rollout_id = 0
         if getattr(args, "load", None) and load_rollout_id is not None:
             checkpoint.load_checkpoint(args.load, load_rollout_id, self.state, self.scheduler)
+            # A resume may change --lr, --weight-decay, the betas: the loaded state holds the earlier run's.
+            apply_optimizer_args(self.optimizer, self.scheduler, args)
             self._check_finite_weights(f"the {role} checkpoint of rollout {load_rollout_id} in {args.load}")
             start_rollout_id = load_rollout_id + 1
         logger.debug(
@@ -384,7 +386,8 @@ class FSDPTrainRayActor:
             shard.real_base_dir,
         )
         shape = self.family.latent_shape(self.args.hf_checkpoint)
-        for pair, sample in zip(pairs, data_samples(self.args, self.family, self.engine.conditioner, real, shape)):
+        samples = data_samples(self.args, self.family, self.engine.conditioner, real, shape, source="real sample")
+        for pair, sample in zip(pairs, samples):
             pair.real_x0, pair.real_cond = sample.x0, sample.env.pos_cond
 
     def evaluate(

@@ -276,6 +276,8 @@ def save_checkpoint(
             error = exc
     # Every rank learns whether any rank failed, so none waits in a barrier for a rank that gave up.
     if _any_rank(error is not None):
+        # Before the temporary directory goes: removing it frees the space whose lack may be the cause.
+        cause = _cause(error, save_dir) if isinstance(error, (OSError, CheckpointException)) else None
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if error is None:
@@ -287,7 +289,7 @@ def save_checkpoint(
             raise error
         raise CheckpointWriteError(
             f"could not save the {role} checkpoint of rollout {rollout_id} to {save_dir}: "
-            f"{_cause(error, save_dir)}; no complete checkpoint was touched"
+            f"{cause}; no complete checkpoint was touched"
         ) from error
     if rank == 0:
         if final.exists():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["LR_DECAY_STYLES", "build_optimizer", "build_lr_scheduler", "lr_factor"]
+__all__ = ["LR_DECAY_STYLES", "apply_optimizer_args", "build_optimizer", "build_lr_scheduler", "lr_factor"]
 
 LR_DECAY_STYLES = ("constant", "cosine")
 
@@ -79,3 +79,25 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int)
         total_steps=total_steps,
     )
     return LambdaLR(optimizer, factor)
+
+
+def apply_optimizer_args(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, args) -> None:
+    """After a checkpoint load: give the optimizer and its schedule this command's settings.
+
+    ``load_state_dict`` restores every param group's ``lr``, ``initial_lr``, ``betas``, ``eps`` and
+    ``weight_decay``, and the schedule's ``base_lrs``, as the earlier run had them, so a resume with a new ``--lr`` or
+    ``--weight-decay`` would keep the old values without a word. This sets them from ``args`` (the group's: the
+    critic's ``--lr`` is ``--critic-lr``) and recomputes the current ``lr`` of the schedule's position. With the
+    same settings it changes nothing: the values equal the loaded ones bit for bit. The schedule's factor (warmup,
+    decay style, ``--min-lr``, horizon) is rebuilt from ``args`` by :func:`build_lr_scheduler` already.
+    """
+    for group in optimizer.param_groups:
+        group["betas"] = (args.adam_beta1, args.adam_beta2)
+        group["eps"] = args.adam_eps
+        group["weight_decay"] = args.weight_decay
+        group["initial_lr"] = args.lr
+    scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -296,6 +296,138 @@ def _save_hf_unwritable(w, d):
     return sft(w, d, "--save-hf", "/proc/miles_export"), "--save-hf /proc/miles_export is not writable"
 
 
+def _prompt_data_gzip(w, d):
+    import gzip
+
+    data = d / "data.jsonl.gz"
+    data.write_bytes(gzip.compress(w.train.read_bytes()))
+    return sft(w, d, "--prompt-data", str(data)), f"--prompt-data {data} is gzip-compressed; decompress it"
+
+
+def _prompt_data_not_utf8(w, d):
+    data = d / "data.jsonl"
+    data.write_bytes(w.prompts.read_bytes().splitlines(keepends=True)[0] + '{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    return dmd2(w, d, "--prompt-data", str(data)), f"--prompt-data {data}:2 is not UTF-8 text"
+
+
+def _model_index(text: str, kind: str):
+    def build(w, d):
+        pipe = copy_pipeline(w.pipeline, d / "pipe")
+        (pipe / "model_index.json").write_text(text)
+        message = f"--hf-checkpoint {pipe} is not a usable pipeline directory: {pipe}/model_index.json holds {kind}"
+        return sft(w, d, "--hf-checkpoint", str(pipe)), message
+
+    return build
+
+
+def _pipeline_without_scheduler(w, d):
+    import shutil
+
+    pipe = copy_pipeline(w.pipeline, d / "pipe")
+    shutil.rmtree(pipe / "scheduler")
+    return sft(w, d, "--hf-checkpoint", str(pipe)), f"--hf-checkpoint {pipe} is not a usable pipeline directory: sch"
+
+
+def _train_image_file_missing(w, d):
+    data = write(
+        d / "data.jsonl", "".join(json.dumps({"prompt": f"p{i}", "image": f"img/{i}.png"}) + "\n" for i in range(8))
+    )
+    (d / "img").mkdir()
+    from PIL import Image
+
+    for i in (0, 1, 2, 4, 5, 6, 7):  # 3.png is missing
+        Image.new("L", (8, 8)).save(d / "img" / f"{i}.png")
+    return sft(w, d, "--prompt-data", str(data)), f"record 4 (prompt 'p3'): its image file {d / 'img' / '3.png'} does"
+
+
+def _real_latent_of_another_shape(w, d):
+    import torch
+    from safetensors.torch import save_file
+
+    (d / "latents").mkdir()
+    save_file({"latent": torch.zeros(1, 4, 4)}, str(d / "latents" / "a.safetensors"))
+    data = write(d / "real.jsonl", json.dumps({"prompt": "a digit", "latent": "latents/a.safetensors"}) + "\n")
+    argv = dmd2(w, d, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", str(data))
+    return argv, f"latent file {d / 'latents' / 'a.safetensors'} has shape (1, 4, 4) but the model takes (1, 8, 8)"
+
+
+def _cond_file_missing(w, d):
+    data = write(d / "data.jsonl", "".join(json.dumps({"prompt": f"p{i}", "cond": f"cond/{i}.safetensors"}) + "\n"
+                                           for i in range(4)))  # fmt: skip
+    return (
+        dmd2(w, d, "--prompt-data", str(data)),
+        f"record 1 (prompt 'p0'): its cond file {d / 'cond' / '0.safetensors'}",
+    )
+
+
+def _gan_feature_block_out_of_range(w, d):
+    argv = dmd2(w, d, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", str(w.train),
+                "--dmd2-gan-feature-blocks", "1,2")  # fmt: skip
+    return argv, f"--dmd2-gan-feature-blocks holds block 2, but --teacher-load (the critic's init) {w.pipeline} has 2"
+
+
+def _load_truncated_shard(w, d):
+    checkpoint_layout(d / "ckpt", 0, commit=False)
+    shard = next((checkpoint_layout(d / "ckpt", 1) / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    message = (
+        f"--load {d / 'ckpt'} committed rollout 1, but it is damaged: shard {shard} holds 100 bytes, but the "
+        f"checkpoint's metadata needs"
+    )
+    return sft(w, d, "--load", str(d / "ckpt"), "--num-rollout", "5"), message
+
+
+def _load_truncated_data_state(w, d):
+    path = checkpoint_layout(d / "ckpt", 0, data_state={"data_source": {"epoch": 0, "cursor": 8}})
+    (path / "data_state.pt").write_bytes((path / "data_state.pt").read_bytes()[:20])
+    message = f"--load {d / 'ckpt'} committed rollout 0, but it is damaged: its data cursor does not load"
+    return sft(w, d, "--load", str(d / "ckpt")), message
+
+
+def _load_another_loss_type(w, d):
+    checkpoint_layout(d / "ckpt", 0, loss_type="dmd2")
+    message = (
+        f"--load {d / 'ckpt'} holds a --loss-type dmd2 checkpoint (rollout 0) but this command is --loss-type sft"
+    )
+    return sft(w, d, "--load", str(d / "ckpt")), message
+
+
+def _load_a_dmd2_layout_without_record(w, d):
+    checkpoint_layout(d / "ckpt", 0)
+    checkpoint_layout(d / "ckpt_critic", 0, commit=False)
+    return sft(w, d, "--load", str(d / "ckpt")), f"--load {d / 'ckpt'} has a DMD2 critic checkpoint beside it"
+
+
+def _output_dir_inside_the_pipeline(w, d):
+    argv = sft(w, d, "--output-dir", str(w.pipeline / "run"))
+    return (
+        argv,
+        f"--output-dir {w.pipeline / 'run'} lies inside --hf-checkpoint {w.pipeline}, a pipeline the run reads",
+    )
+
+
+def _save_is_the_teacher(w, d):
+    teacher = copy_pipeline(w.pipeline, d / "teacher")
+    argv = dmd2(w, d, "--teacher-load", str(teacher), "--save", str(teacher))
+    return argv, f"--save {teacher} is also --teacher-load {teacher}, a pipeline the run reads"
+
+
+def _dry_run_missing_teacher(w, d):
+    return (
+        dmd2(w, d, "--teacher-load", str(d / "nope"), "--dry-run"),
+        f"--teacher-load {d / 'nope'}: no such directory",
+    )
+
+
+def _dead_ray_address(w, d):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: bound, then closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return sft(w, d, "--ray-address", f"127.0.0.1:{port}"), f"--ray-address 127.0.0.1:{port}: no Ray cluster answers"
+
+
 COMMANDS: dict[str, Callable] = {
     # numbers: finite and in range (argparse's float takes nan and inf)
     "lr-nan": flag_case("--lr", "nan", message="--lr must be a finite number, got nan"),
@@ -319,6 +451,7 @@ COMMANDS: dict[str, Callable] = {
     "keep-every-alone": flag_case("--save-keep-every", "5", message="--save-keep-every only spares checkpoints"),
     "uncond-prob-one": flag_case("--sft-uncond-prob", "1", message="--sft-uncond-prob must be in [0, 1), got 1.0"),
     "timesteps-nan": flag_case("--diffusion-timesteps", "1000,nan", message="--diffusion-timesteps must be strictly"),
+    "seed-beyond-64-bits": flag_case("--seed", str(2**64), message="--seed must be in [0, 9223372036854775807], got"),
     "num-rollout-zero": flag_case("--num-rollout", "0", message="--num-rollout must be a positive integer, got 0"),
     "uneven-micro-batch": flag_case("--micro-batch-size", "3", message="--global-batch-size 8 must be a multiple of"),
     "lr-not-a-number": flag_case("--lr", "fast", message="argument --lr: invalid float value: 'fast'"),
@@ -360,6 +493,11 @@ COMMANDS: dict[str, Callable] = {
     "eval-data-bad-json": _eval_data_bad,
     "gan-real-data-without-image": _gan_real_data_without_image,
     "negative-cond-missing": _negative_cond_missing,
+    "prompt-data-gzip": _prompt_data_gzip,
+    "prompt-data-not-utf8": _prompt_data_not_utf8,
+    "train-image-file-missing": _train_image_file_missing,
+    "real-latent-of-another-shape": _real_latent_of_another_shape,
+    "cond-file-missing": _cond_file_missing,
     # pipelines
     "pipeline-missing": flag_case(
         "--hf-checkpoint", "{d}/nope", message="--hf-checkpoint {d}/nope: no such directory"
@@ -371,6 +509,11 @@ COMMANDS: dict[str, Callable] = {
     "pipeline-without-weights": _pipeline_without_weights,
     "teacher-other-token-length": _teacher_other_token_length,
     "critic-other-latent-channels": _critic_other_channels,
+    "model-index-a-list": _model_index("[]", "list"),
+    "model-index-null": _model_index("null", "NoneType"),
+    "pipeline-without-scheduler": _pipeline_without_scheduler,
+    "gan-feature-block-out-of-range": _gan_feature_block_out_of_range,
+    "dry-run-missing-teacher": _dry_run_missing_teacher,
     # checkpoints
     "load-missing": flag_case("--load", "{d}/ckpt", message="--load {d}/ckpt: no such directory"),
     "load-without-latest": _load_without_latest,
@@ -384,6 +527,10 @@ COMMANDS: dict[str, Callable] = {
     "empty-hook-path": _empty_hook_path,
     "overwrite-save-what-load-resumes": _overwrite_save_what_load_resumes,
     "overwrite-save-of-the-critic-that-load-resumes": _overwrite_save_of_the_critic_that_load_resumes,
+    "load-truncated-shard": _load_truncated_shard,
+    "load-truncated-data-state": _load_truncated_data_state,
+    "load-another-loss-type": _load_another_loss_type,
+    "load-a-dmd2-layout-without-record": _load_a_dmd2_layout_without_record,
     # output paths
     "save-hf-is-save": _save_hf_is_save,
     "save-hf-contains-the-run": _save_hf_contains_run,
@@ -396,6 +543,10 @@ COMMANDS: dict[str, Callable] = {
     "save-under-a-file": _save_under_a_file,
     "output-dir-is-a-file": _output_dir_is_a_file,
     "save-hf-unwritable": _save_hf_unwritable,
+    "output-dir-inside-the-pipeline": _output_dir_inside_the_pipeline,
+    "save-is-the-teacher": _save_is_the_teacher,
+    # the cluster
+    "dead-ray-address": _dead_ray_address,
 }
 
 

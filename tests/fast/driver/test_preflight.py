@@ -8,15 +8,18 @@ from miles.driver.preflight import validate_inputs
 from miles.utils.validation import ArgumentValidationError
 from tests.support.arguments import BASE
 from tests.support.arguments import validated as _validate
+from tests.support.inputs import checkpoint_layout
 
 
 def _fake_digits_pipeline(path):
-    """A pipeline directory as far as the input checks read it: model_index.json, the transformer config and a
-    finite weights file."""
+    """A pipeline directory as far as the input checks read it: model_index.json, the transformer and scheduler
+    configs and a finite weights file."""
     import torch
     from safetensors.torch import save_file
 
     (path / "transformer").mkdir(parents=True)
+    (path / "scheduler").mkdir(parents=True)
+    (path / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0}')
     (path / "model_index.json").write_text('{"_class_name": "DigitsPipeline"}')
     (path / "transformer" / "config.json").write_text('{"in_channels": 1, "sample_size": 8}')
     save_file(
@@ -71,12 +74,10 @@ def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
 
 
 def _fake_checkpoint(save_dir, *rollout_ids, commit=True):
-    """A checkpoint directory as far as ``resume_rollout`` checks it: complete ``rollout_<id>`` folders, and (with
-    ``commit``) ``latest`` naming the last of ``rollout_ids``."""
+    """Real checkpoints of a tiny module (``tests.support.inputs.checkpoint_layout``) of ``rollout_ids``, and (with
+    ``commit``) ``latest`` naming the last of them."""
     for rollout_id in rollout_ids:
-        (save_dir / f"rollout_{rollout_id}" / "dcp").mkdir(parents=True)
-        (save_dir / f"rollout_{rollout_id}" / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id}))
-        (save_dir / f"rollout_{rollout_id}" / "dcp" / ".metadata").write_text("")
+        checkpoint_layout(save_dir, rollout_id, commit=False)
     if commit:
         (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
 

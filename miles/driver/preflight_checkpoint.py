@@ -1,0 +1,97 @@
+"""Preflight of ``--load``: the committed checkpoint is complete, readable and of this command's loss type.
+
+Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`, in a ``--dry-run`` too). Reads
+only headers and small files: each group's DCP ``.metadata`` (the shards' expected sizes, compared with the files'),
+the per-rank scheduler/RNG files, the data cursor, and the run record (:mod:`miles.driver.resume`). A checkpoint
+whose shards were truncated (a copy cut short, a disk that filled under another tool) is refused here, with the
+newest earlier checkpoint that is complete in every group offered instead, rather than failing in every worker.
+"""
+
+import argparse
+from pathlib import Path
+
+from miles.utils.validation import reject
+
+__all__ = ["check_load"]
+
+
+def _fail(load: str, message: str) -> None:
+    reject(message if message.startswith("--load") else f"--load {load}: {message}")
+
+
+def _damaged(directory: str, rollout_id: int) -> str | None:
+    """What is wrong with a group's checkpoint of ``rollout_id`` beyond what ``resume_rollout`` checks (None if
+    nothing): a DCP shard shorter than its ``.metadata`` says, or a per-rank file that does not load."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from miles.backends.fsdp_utils.checkpoint import checkpoint_dir
+
+    path = checkpoint_dir(directory, rollout_id)
+    try:
+        metadata = FileSystemReader(str(path / "dcp")).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
+        return f"{path / 'dcp' / '.metadata'} is not readable ({type(exc).__name__}: {exc})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = path / "dcp" / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            held = "is missing" if size is None else f"holds {size} bytes"
+            return f"shard {shard} {held}, but the checkpoint's metadata needs {end}"
+    for rank_file in sorted(path.glob("rank_*.pt")):
+        try:
+            torch.load(rank_file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            return f"{rank_file} does not load ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _earlier_complete(dirs: list[str], before: int) -> int | None:
+    from miles.backends.fsdp_utils.checkpoint import complete_rollouts
+
+    common = set(complete_rollouts(dirs[0]))
+    for directory in dirs[1:]:
+        common &= set(complete_rollouts(directory))
+    earlier = [rollout for rollout in common if rollout < before and not any(_damaged(d, rollout) for d in dirs)]
+    return max(earlier, default=None)
+
+
+def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -> None:
+    """``--load`` holds a commit (``latest``) of this command's loss type, complete and readable in every group's
+    directory, with a rollout left to train below ``--num-rollout``.
+
+    Raises:
+        ArgumentValidationError: naming ``--load``, the file at fault and, for a damaged checkpoint, the newest
+            earlier one that is complete.
+    """
+    from miles.backends.fsdp_utils.checkpoint import read_data_state, read_latest, resume_rollout
+    from miles.driver.resume import check_resume
+
+    load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
+    try:
+        check_resume(args, read_latest(args.load))
+        committed = resume_rollout(load_dirs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        _fail(args.load, str(exc))
+    if committed + 1 >= args.num_rollout:
+        reject(
+            f"--load {args.load} committed rollout {committed}, the last of --num-rollout {args.num_rollout}: "
+            f"nothing is left to train; raise --num-rollout above {committed + 1}"
+        )
+    problem = next((p for p in (_damaged(directory, committed) for directory in load_dirs) if p), None)
+    if problem is None:
+        try:
+            read_data_state(args.load, committed)
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign pickle
+            problem = f"its data cursor does not load ({type(exc).__name__}: {exc})"
+    if problem is not None:
+        earlier = _earlier_complete(load_dirs, committed)
+        offer = (
+            f"; rollout_{earlier} is complete: write {earlier} into {Path(args.load) / 'latest'} to resume from it"
+            if earlier is not None
+            else "; no earlier complete checkpoint is left: start afresh without --load"
+        )
+        reject(f"--load {args.load} committed rollout {committed}, but it is damaged: {problem}{offer}")

@@ -1,0 +1,152 @@
+"""What a resume continues: the run record kept with each checkpoint, and what the driver checks and says with it.
+
+Every save commits, beside the groups' checkpoints, ``<save>/rollout_<id>/run.json``: the loss type, the flags a
+resume may change (the optimizers' and schedules' settings) and the wandb run id. A resume (``--load``) reads the
+record of the committed rollout and
+
+- refuses another loss type's checkpoint before Ray starts (an ``sft_loss`` run would otherwise load a DMD2
+  student, its optimizer and a data cursor of another file, without a word);
+- lists, on one line, the settings this command changes; the trainer applies them after loading
+  (``miles.backends.fsdp_utils.optimizer.apply_optimizer_args``);
+- continues the same wandb run (its id is in the record).
+
+Checkpoints written before the record existed resume as before (nothing to compare), except that an
+``sft_loss`` or custom run refuses a directory with a ``<load>_critic`` sibling holding the committed rollout, the
+layout of a DMD2 run.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from miles.utils.validation import flag, reject
+
+__all__ = [
+    "RESUMABLE_SETTINGS",
+    "RUN_RECORD",
+    "changed_settings",
+    "check_resume",
+    "read_run_record",
+    "resumed_line",
+    "run_record",
+    "write_run_record",
+]
+
+RUN_RECORD = "run.json"
+FORMAT = 1
+# Flags a resume may change: the trainer applies the new value after loading the checkpoint.
+RESUMABLE_SETTINGS = (
+    "lr",
+    "critic_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_style",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "weight_decay",
+    "clip_grad",
+    "num_rollout",
+)
+
+
+def run_record(args: argparse.Namespace, rollout_id: int, wandb_run_id: str | None) -> dict[str, Any]:
+    """The record a save of ``rollout_id`` commits: ``{"format", "rollout_id", "loss_type", "settings": {dest:
+    value}, "wandb_run_id"}``."""
+    settings = {dest: getattr(args, dest) for dest in RESUMABLE_SETTINGS if hasattr(args, dest)}
+    return {
+        "format": FORMAT,
+        "rollout_id": rollout_id,
+        "loss_type": args.loss_type,
+        "settings": settings,
+        "wandb_run_id": wandb_run_id,
+    }
+
+
+def _record_path(directory: str | os.PathLike, rollout_id: int) -> Path:
+    return Path(directory) / f"rollout_{rollout_id}" / RUN_RECORD
+
+
+def write_run_record(save_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write ``record`` into the actor's checkpoint of its rollout (temporary file, fsync, rename), before the
+    driver commits that rollout."""
+    path = _record_path(save_dir, record["rollout_id"])
+    tmp = path.with_name(f".{RUN_RECORD}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_run_record(load_dir: str | os.PathLike, rollout_id: int) -> dict[str, Any] | None:
+    """The run record of checkpoint ``rollout_id`` in ``load_dir``, or None for a checkpoint written without one.
+
+    Raises:
+        ValueError: naming the file, when it is not a JSON object.
+    """
+    path = _record_path(load_dir, rollout_id)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds {type(record).__name__}, not the run record's JSON object")
+    return record
+
+
+def check_resume(args: argparse.Namespace, rollout_id: int) -> dict[str, Any] | None:
+    """Refuse a ``--load`` of another loss type's checkpoint; return its run record (None when it has none).
+
+    Raises:
+        ArgumentValidationError: naming ``--load``, both loss types and the fix.
+    """
+    try:
+        record = read_run_record(args.load, rollout_id)
+    except ValueError as exc:
+        reject(f"--load {args.load}: {exc}")
+    if record is not None:
+        saved = record.get("loss_type")
+        if saved != args.loss_type:
+            reject(
+                f"--load {args.load} holds a --loss-type {saved} checkpoint (rollout {rollout_id}) but this command "
+                f"is --loss-type {args.loss_type}; resume it with --loss-type {saved}, or start the "
+                f"{args.loss_type} run from an exported pipeline (--hf-checkpoint) with a new --save"
+            )
+        return record
+    critic = Path(f"{os.path.normpath(args.load)}_critic") / f"rollout_{rollout_id}"
+    if args.loss_type != "dmd2" and critic.is_dir():
+        reject(
+            f"--load {args.load} has a DMD2 critic checkpoint beside it ({critic}), but this command is --loss-type "
+            f"{args.loss_type}; resume it with --loss-type dmd2, or start from an exported pipeline (--hf-checkpoint)"
+        )
+    return None
+
+
+def changed_settings(args: argparse.Namespace, record: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """``(flag, the checkpoint's value, this command's)`` of every resumable setting this command changes."""
+    if not record:
+        return []
+    saved = record.get("settings") or {}
+    return [
+        (flag(dest), saved[dest], getattr(args, dest))
+        for dest in RESUMABLE_SETTINGS
+        if dest in saved and hasattr(args, dest) and saved[dest] != getattr(args, dest)
+    ]
+
+
+def resumed_line(args: argparse.Namespace, start: int, roles: list[str], record: dict[str, Any] | None) -> list[str]:
+    """The driver's lines about a resume: where it continues and which groups it loaded, then (when any) the
+    settings it changes, e.g. ``resumed at rollout 10 (actor + critic) from --load ckpt`` and ``resume changes
+    --lr 0.0001 -> 0.0002, --weight-decay 0.0 -> 0.01; the new values apply from rollout 10``."""
+    lines = [f"resumed at rollout {start} ({' + '.join(roles)}) from --load {args.load}"]
+    changes = changed_settings(args, record)
+    if changes:
+        listed = ", ".join(f"{name} {old} -> {new}" for name, old, new in changes)
+        lines.append(f"resume changes {listed}; the new values apply from rollout {start}")
+    return lines
