@@ -8,6 +8,7 @@ cluster of its own, since that is what it checks. Every process a test starts is
 """
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -159,6 +160,66 @@ def test_a_driver_killed_during_a_save_and_between_the_groups_saves_resumes_to_t
     assert sorted(resumed) == sorted(reference)
     for key, figures in reference.items():
         assert resumed[key] == figures, key
+
+
+def test_a_resume_says_where_it_continues_applies_changed_settings_and_continues_the_wandb_run(
+    root, ray_cluster, caplog
+):
+    from miles.driver.resume import read_run_record
+
+    out, save = root / "resume", root / "resume_ckpt"
+    argv = _sft(root, out, save, "--num-rollout", "2", "--use-wandb", "--wandb-mode", "offline")
+    run_main(argv)
+    with caplog.at_level(logging.INFO, logger="train_diffusion"):
+        run_main([*argv, "--load", str(save), "--num-rollout", "3", "--lr", "2e-3", "--weight-decay", "0.01"])
+    lines = [record.getMessage() for record in caplog.records if record.name == "train_diffusion"]
+    assert f"resumed at rollout 2 (actor) from --load {save}" in lines
+    assert (
+        "resume changes --lr 0.001 -> 0.002, --weight-decay 0.0 -> 0.01, --num-rollout 2 -> 3; the new values apply "
+        "from rollout 2"
+    ) in lines
+    # The checkpoint's lr was 1e-3; the resumed step trains at the command's.
+    lrs = {record["rollout_id"]: record["train/lr"] for record in read_metrics(out) if "train/lr" in record}
+    assert lrs == {0: 1e-3, 1: 1e-3, 2: 2e-3}
+    # Both attempts logged to one wandb run: its id is kept with the checkpoint.
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    ids = {run.name.rsplit("-", 1)[-1] for run in runs}
+    assert len(runs) == 2 and len(ids) == 1, runs
+    record = read_run_record(save, 2)
+    assert record["wandb_run_id"] == ids.pop() and record["loss_type"] == "sft_loss"
+    assert record["settings"]["lr"] == 2e-3 and record["settings"]["weight_decay"] == 0.01
+
+
+def test_a_full_disk_reported_in_a_writers_own_words_still_says_no_space_left(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as "unexpected pos"; the driver's line says "No space left on device",
+    judged by the free space before the partial checkpoint is removed (a real full disk cannot be made here: the
+    free space is what ``shutil.disk_usage`` reports while the partial checkpoint exists)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from miles.utils.validation import CheckpointWriteError
+    from tests.support.inputs import checkpoint_layout
+
+    save = tmp_path / "ckpt"
+    real_usage = shutil.disk_usage
+
+    def usage(path):
+        partial = any(save.glob(".tmp_rollout_*"))
+        return real_usage(path)._replace(free=0) if partial else real_usage(path)
+
+    def failing_save(state, checkpoint_id):
+        # What DCP raises: every rank's error wrapped in a CheckpointException.
+        Path(checkpoint_id).mkdir(parents=True)
+        raise CheckpointException("save failed", {0: (RuntimeError("unexpected pos 4096 vs 8192"), None)})
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", usage)
+    monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
+    with pytest.raises(CheckpointWriteError) as exc_info:
+        checkpoint_layout(save, 0)
+    assert str(exc_info.value) == (
+        f"could not save the actor checkpoint of rollout 0 to {save}: No space left on device (unexpected pos 4096 vs "
+        "8192); no complete checkpoint was touched"
+    )
+    assert not list(save.iterdir())
 
 
 def test_a_disk_that_fills_during_a_save_stops_with_no_space_left_and_keeps_the_last_checkpoint(
