@@ -23,6 +23,7 @@ what a crash costs and what is never overwritten: docs/reliability.md. Exit code
 143 SIGTERM.
 """
 
+import errno
 import logging
 import os
 import signal
@@ -128,7 +129,7 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
             # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
             if should_save(args, rollout_id):
                 with _timer(perf, "perf/save_time"):
-                    save_rollout(args, rollout_id, rollout_manager, groups)
+                    save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id)
                 progress.note(f"saved rollout {rollout_id} to {args.save}")
             with _timer(perf, "perf/eval_time"):
                 eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
@@ -151,10 +152,12 @@ def group_dirs(args, name: str) -> list[str]:
     return [getattr(compute_trainer_args(args, config), name) for config in configs]
 
 
-def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
-    """One commit: every group saves the rollout (the actor's with the data cursor), then ``<save>/latest`` moves
-    to it, then old checkpoints beyond ``--save-keep-last`` go. A crash before the commit costs this rollout only."""
+def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run_id: str | None = None) -> None:
+    """One commit: every group saves the rollout (the actor's with the data cursor, then the run record of
+    ``miles.driver.resume``), then ``<save>/latest`` moves to it, then old checkpoints beyond ``--save-keep-last``
+    go. A crash before the commit costs this rollout only."""
     from miles.backends.fsdp_utils.checkpoint import commit, prune
+    from miles.driver.resume import run_record, write_run_record
     from miles.ray.errors import get_all
 
     (data_state,) = get_all([rollout_manager.state_dict.remote()], "rollout manager", "state_dict", rollout_id)
@@ -162,6 +165,7 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
     for role, group in groups.items():
         group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
     dirs = group_dirs(args, "save")
+    write_run_record(dirs[0], run_record(args, rollout_id, wandb_run_id))
     commit(dirs, rollout_id)
     for path in prune(dirs, rollout_id, args.save_keep_last, args.save_keep_every):
         logger.debug("pruned %s", path)
@@ -178,7 +182,9 @@ def train(args) -> None:
     )
     from miles.driver.arguments import run_paths
     from miles.driver.console import log_groups_ready
+    from miles.driver.evaluation import move_aside_earlier_eval
     from miles.driver.export import export_schedule
+    from miles.driver.resume import read_run_record, resumed_line
     from miles.methods import compute_trainer_configs, get_method
     from miles.ray.errors import get_all
     from miles.ray.placement_group import (
@@ -212,6 +218,9 @@ def train(args) -> None:
         aside = move_aside_earlier_metrics(args.output_dir)
         if aside is not None:
             logger.info("an earlier run's metrics.jsonl in --output-dir is now %s; this run writes its own", aside)
+        aside = move_aside_earlier_eval(args.output_dir)
+        if aside is not None:
+            logger.info("an earlier run's eval images in --output-dir are now in %s; this run writes its own", aside)
     started = []  # what this run starts, ended in reverse order whatever happens
     tracker = None
     try:
@@ -228,14 +237,19 @@ def train(args) -> None:
         log_groups_ready(groups, engines, time.perf_counter() - start_time)
         actor = groups["actor"]
         start = actor.start_rollout_id
+        record = None
         if load_rollout_id is not None:
             _, data_state = read_data_state(args.load, load_rollout_id)
             if data_state is not None:
                 get_all([rollout_manager.load_state_dict.remote(data_state)], "rollout manager", "load_state_dict")
+            record = read_run_record(args.load, load_rollout_id)
+            for line in resumed_line(args, start, sorted(groups, key=lambda role: role != "actor"), record):
+                logger.info("%s", line)
         if engines is not None:
             # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
             actor.get(actor.async_update_weights(engines.engines), "update_weights")
-        tracker = MetricsTracker(args, job="driver")
+        # A resumed run continues the wandb run whose id its checkpoint kept.
+        tracker = MetricsTracker(args, job="driver", wandb_run_id=(record or {}).get("wandb_run_id"))
         run_rollouts(args, rollout_manager, groups, engines, start, tracker)
         if args.save_hf:
             # Checked again now (the directory may have appeared during the training), and by the writing rank
@@ -305,10 +319,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     setup_logging(args.log_level)
+    _importable_working_dir()
     try:
-        # Paths, data and hooks before Ray starts; a dry run checks the hooks and --load only (the data may live on
-        # the cluster).
-        validate_inputs(args, check_paths=not args.dry_run)
+        # Hooks, --load, pipelines, data and outputs before Ray starts, in a dry run too.
+        validate_inputs(args)
     except ArgumentValidationError as exc:
         _fail(str(exc), 2)
     if args.dry_run:
@@ -319,30 +333,35 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
+    from miles.driver.cluster import check_cluster_fits, check_ray_address
+    from miles.driver.evaluation import EvalHookError
     from miles.ray.errors import WorkerError, describe_failure
+    from miles.utils.validation import RunError
 
     # Ray 2.60 wants an auth mode for local clusters; the driver and its workers are all local processes.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # The driver reports a group's first failure itself; the refs of the ranks it never waited for would otherwise
     # each print their error again when collected.
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C, from here on: while Ray starts too. SIGINT
+    # is set as well: a driver started in the background inherits it ignored.
+    _handle_signals()
     owns_ray = not ray.is_initialized()
-    if owns_ray:
-        # Without --ray-address (or RAY_ADDRESS, which ray.init reads) a run starts a local cluster of its own:
-        # ray.init(address=None) would join any other cluster on this machine, and die with it.
-        address = args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-        if address == "local":
-            from miles.driver.watchdog import start_watchdog
-
-            # Ends the local cluster's processes should this process die without shutting Ray down (kill -9); after a
-            # clean shutdown it finds nothing left and exits.
-            start_watchdog()
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    # SIGTERM (a scheduler's cancel) takes the same clean path as Ctrl-C; set after ray.init, which installs its own
-    # handlers. SIGINT is set too: a driver started in the background inherits it ignored.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
     try:
+        if owns_ray:
+            # Without --ray-address (or RAY_ADDRESS, which ray.init reads) a run starts a local cluster of its own:
+            # ray.init(address=None) would join any other cluster on this machine, and die with it.
+            address = args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+            check_ray_address(address, "--ray-address" if args.ray_address else "RAY_ADDRESS")
+            if address == "local":
+                from miles.driver.watchdog import start_watchdog
+
+                # Ends the local cluster's processes should this process die without shutting Ray down (kill -9);
+                # after a clean shutdown it finds nothing left and exits.
+                start_watchdog()
+            _init_ray(ray, address)
+            if address == "local":
+                check_cluster_fits(args)  # a local cluster never grows: refuse now rather than wait for bundles
         train(args)
     except Interrupted as exc:
         logger.warning("interrupted by %s; shutting down Ray", exc)
@@ -351,15 +370,51 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc), 2)
     except WorkerError as exc:
         _fail(exc.summary, 1, exc.details)
+    except EvalHookError as exc:
+        _fail(exc.summary, 1, exc.details)
+    except RunError as exc:
+        _fail(str(exc), 1)
     except (RayTaskError, RayActorError) as exc:
         # A worker call outside the driver's per-group waits (an evaluation, a method's debug grid).
         who = getattr(exc, "function_name", None) or "a Ray worker"
         failure = describe_failure(exc, "a Ray worker", who.rsplit(".", 1)[-1])
         _fail(failure.summary, 1, failure.details)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        # The driver's own writes (the commit, the run record, metrics.jsonl, an eval grid); a commit is atomic.
+        _fail(f"could not write {exc.filename or 'a file'}: No space left on device; the last commit is intact", 1)
     finally:
         if owns_ray:
             # Ends every actor of this job, so no trainer or engine process outlives the driver.
             ray.shutdown()
+
+
+def _importable_working_dir() -> None:
+    """Let hook paths name modules of the directory the command runs in (``my_hooks.loss``), as ``python -m``
+    would: ``python train_diffusion.py`` puts only the script's directory on ``sys.path``. Appended, so that no
+    file there shadows an installed package. Ray gives every worker the driver's working directory as well."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _handle_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+
+
+def _init_ray(ray, address: str) -> None:
+    """``ray.init``, with SIGTERM during it ending the run as :class:`Interrupted` too: ray.init installs its own
+    SIGTERM handler (``sys.exit(15)``, no word printed) for its duration."""
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    except SystemExit as exc:
+        if exc.code == signal.SIGTERM:
+            raise Interrupted(signal.SIGTERM) from None
+        raise
+    finally:
+        _handle_signals()
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from miles.ray.actor_group import RayTrainGroup
 from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
+from miles.utils.validation import RunError
 
 __all__ = [
     "PLACEMENT_TIMEOUT_S",
+    "PlacementTimeoutError",
     "bundle_cpus",
     "create_engine_group",
     "create_placement_groups",
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 # How long to wait for the cluster to grant the bundles before failing with the flags to change.
 PLACEMENT_TIMEOUT_S = 120
+
+
+class PlacementTimeoutError(RunError, RuntimeError):
+    """The cluster did not grant a placement group's bundles in time; the message names the flags to change."""
 
 
 def use_gpu_bundles() -> bool:
@@ -67,7 +73,7 @@ def _ready(pg: PlacementGroup, what: str, bundles: list[dict[str, float]]) -> Pl
         # A pending group stays queued on the cluster (one the driver joined outlives it) and takes its bundles once
         # they free up: hand it back.
         remove_placement_group(pg)
-        raise RuntimeError(
+        raise PlacementTimeoutError(
             f"the Ray cluster could not place {len(bundles)} bundles of {bundles[0]} for {what} within "
             f"{PLACEMENT_TIMEOUT_S}s (cluster has {ray.cluster_resources()}); lower --actor-num-nodes / "
             "--actor-num-gpus-per-node / --rollout-num-gpus / --num-cpus-per-rank or add resources"
@@ -83,7 +89,7 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
         ``--rollout-num-gpus``; every trainer group uses the ``"actor"`` entry.
 
     Raises:
-        RuntimeError: if the cluster cannot grant the bundles in time; nothing stays reserved then.
+        PlacementTimeoutError: if the cluster cannot grant the bundles in time; nothing stays reserved then.
     """
     cpus = bundle_cpus(args)
     bundle = {"GPU": 1, "CPU": cpus} if use_gpu_bundles() else {"CPU": cpus}
@@ -99,7 +105,7 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
         engine_bundles = [dict(bundle) for _ in range(args.rollout_num_gpus)]
         try:
             engine_pg = _ready(placement_group(engine_bundles, strategy="PACK"), "the rollout engines", engine_bundles)
-        except RuntimeError:
+        except PlacementTimeoutError:
             remove_placement_group(pgs["actor"][0])  # the caller never sees it, so cannot end it
             raise
         pgs["rollout"] = (engine_pg, list(range(args.rollout_num_gpus)))

@@ -126,6 +126,16 @@ def failing_eval_hook(args, images, records, rollout_id):
     raise RuntimeError(f"eval hook failed after rollout {rollout_id}")
 
 
+def list_eval_hook(args, images, records, rollout_id):
+    """``--eval-function-path`` hook that returns its figures as a list instead of a dict."""
+    return [0.5, 0.25]
+
+
+def tensor_eval_hook(args, images, records, rollout_id):
+    """``--eval-function-path`` hook whose figures are 0-d tensors and ints (both are numbers to the tracker)."""
+    return {"mean": images.float().mean(), "count": len(records)}
+
+
 @contextmanager
 def single_process_group(backend: str = "gloo", device_type: str = "cpu"):
     """A 1-rank process group (gloo) and device mesh (``"cpu"``) in this process (FSDP2 and DCP need one)."""

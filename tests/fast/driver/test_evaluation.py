@@ -78,6 +78,45 @@ def test_load_eval_records_repeats_each_record_per_sample(setup, tmp_path):
     assert [r["prompt"] for r in load_eval_records(args)][:4] == [prompt_for_label(0)] * 2 + [prompt_for_label(1)] * 2
 
 
+def test_the_eval_set_is_capped_to_evenly_spaced_prompts(setup, tmp_path):
+    from miles.driver.evaluation import eval_prompt_indices
+
+    assert eval_prompt_indices(5, 100) == [0, 1, 2, 3, 4]
+    assert eval_prompt_indices(100, 10) == list(range(0, 100, 10))  # one per digit of a file sorted by digit
+    assert eval_prompt_indices(7, 3) == [0, 2, 4]
+    args = _eval_args(setup, tmp_path, eval_max_prompts=2)
+    assert [r["label"] for r in load_eval_records(args)] == [3, 3, 0, 0]  # positions 0 and 2 of LABELS, twice
+
+
+def test_a_hook_that_returns_no_dict_of_numbers_is_one_line_naming_it(setup, tmp_path):
+    from miles.driver.evaluation import EvalHookError, _run_hook
+
+    args = _eval_args(setup, tmp_path, eval_function_path="tests.support.trainer.list_eval_hook")
+    images = torch.zeros(2, 8, 8, 1, dtype=torch.uint8)
+    with pytest.raises(EvalHookError) as exc_info:
+        _run_hook(args, images, [{}, {}], 3)
+    assert exc_info.value.summary == (
+        "eval hook tests.support.trainer.list_eval_hook returned list after rollout 3; expected a dict of metric "
+        "name -> number"
+    )
+    args.eval_function_path = "tests.support.trainer.tensor_eval_hook"
+    assert _run_hook(args, images, [{}, {}], 3) == {"mean": torch.tensor(0.0), "count": 2}
+
+
+def test_a_fresh_run_moves_an_earlier_runs_eval_images_aside(tmp_path):
+    from miles.driver.evaluation import move_aside_earlier_eval
+
+    assert move_aside_earlier_eval(tmp_path) is None
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "rollout_1.png").write_bytes(b"first")
+    assert move_aside_earlier_eval(tmp_path) == tmp_path / "eval.earlier"
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "rollout_1.png").write_bytes(b"second")
+    assert move_aside_earlier_eval(tmp_path) == tmp_path / "eval.earlier.1"
+    assert (tmp_path / "eval.earlier" / "rollout_1.png").read_bytes() == b"first"
+    assert (tmp_path / "eval.earlier.1" / "rollout_1.png").read_bytes() == b"second"
+
+
 def test_eval_shard_has_fixed_indices_so_fixed_noise(setup, tmp_path):
     args = _eval_args(setup, tmp_path)
     shard = eval_shard(args, load_eval_records(args))
@@ -135,7 +174,7 @@ def test_maybe_evaluate_without_a_hook_saves_the_plain_image_grid(setup, sampler
         assert np.array_equal(cell, np.kron(images[i, ..., 0].numpy(), np.ones((6, 6), dtype=np.uint8))), i
 
 
-def test_a_failing_eval_hook_does_not_cost_the_rollouts_checkpoint(ray_cluster, setup, tmp_path):
+def test_a_failing_eval_hook_does_not_cost_the_rollouts_checkpoint(ray_cluster, setup, tmp_path, capsys):
     """A real run of the driver: the last rollout is saved before its evaluation runs (and fails), and the run ends
     the actors and placement groups it started on the session's cluster (1 CPU per rank: the module's engine
     replica holds one of the cluster's 4)."""
@@ -148,8 +187,17 @@ def test_a_failing_eval_hook_does_not_cost_the_rollouts_checkpoint(ray_cluster, 
         "--save", str(tmp_path / "ckpt"), "--eval-interval", "5", "--eval-prompt-data", str(eval_data),
         "--eval-function-path", "tests.support.trainer.failing_eval_hook", "--output-dir", str(tmp_path / "run"),
     ]  # fmt: skip
-    with pytest.raises(RuntimeError, match="eval hook failed after rollout 1"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc_info:
         run_main(argv)
+    err = capsys.readouterr().err
+    assert exc_info.value.code == 1
+    (line,) = [line for line in err.splitlines() if line.startswith("train_diffusion.py: error: ")]
+    assert line == (
+        "train_diffusion.py: error: eval hook tests.support.trainer.failing_eval_hook failed after rollout 1: "
+        "RuntimeError: eval hook failed after rollout 1"
+    )
+    assert "in failing_eval_hook" in err[err.index(line) :]  # the hook's own traceback below the line
     assert read_latest(tmp_path / "ckpt") == 1
     assert not (tmp_path / "ckpt" / "rollout_0").exists()  # saves at the last rollout only (no --save-interval)
     records = read_metrics(tmp_path / "run")
