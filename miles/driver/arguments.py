@@ -27,6 +27,16 @@ __all__ = [
 ]
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each flag's default: ``(default: 1e-05)``; none for unset (None) and on/off flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (no usage dump), exit code 2."""
 
@@ -312,6 +322,13 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--eval-prompt-data", type=str, default=None, help="JSONL of eval prompts; default: --prompt-data."
     )
+    group.add_argument(
+        "--eval-max-prompts",
+        type=int,
+        default=100,
+        help="Evaluate at most this many eval prompts, evenly spaced through the file (the eval images travel to "
+        "the driver and are tiled there).",
+    )
     group.add_argument("--eval-n-samples-per-prompt", type=int, default=1, help="Eval images per eval prompt.")
     group.add_argument(
         "--eval-function-path",
@@ -374,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train_diffusion.py",
         allow_abbrev=False,
         description="Distill a flow-matching text-to-image teacher into a few-step student (DMD2), or train with SFT.",
+        formatter_class=_DefaultsHelpFormatter,
     )
     for add in (
         _add_cluster_args,
@@ -600,8 +618,10 @@ NUMBER_RULES: dict[str, dict] = {
     "save_keep_every": {"low": 1},
     "eval_interval": {"low": 1},
     "eval_n_samples_per_prompt": {"low": 1},
-    "seed": {"low": 0},
-    "rollout_seed": {"low": 0},
+    "eval_max_prompts": {"low": 1},
+    # Seeds feed torch.manual_seed and torch.Generator.manual_seed, which take signed 64-bit integers.
+    "seed": {"low": 0, "high": 2**63 - 1},
+    "rollout_seed": {"low": 0, "high": 2**63 - 1},
 }
 
 

@@ -1,22 +1,28 @@
 """``--dry-run``: what a command would run, printed without starting Ray.
 
-The trainer groups with their overrides and hooks, the placement, the schedule, and each DP rank's work per rollout:
-denoiser forwards and backwards for the rollout, every group's optimizer steps and its train-output hook (DMD2's
-scoring), so a user sees every phase divided by the DP size.
+The placement, the trainer groups as a table with each group's overrides, each DP rank's work per rollout (denoiser
+forwards and backwards for the rollout, every group's optimizer steps and its train-output hook, DMD2's scoring, so
+a user sees every phase divided by the DP size), the schedule, the evaluation, and the time estimate of
+:mod:`miles.driver.estimate`. Everything a real run checks before Ray starts has passed by then
+(:func:`miles.driver.preflight.validate_inputs`).
 """
 
 import logging
 
 import torch
 
+from miles.driver.estimate import log_estimate
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
 from miles.utils.trainer_config import compute_trainer_args
-from miles.utils.validation import dp_size, rollout_pairs
+from miles.utils.validation import dp_size, flag, rollout_pairs
 
-__all__ = ["log_plan", "work_per_rank"]
+__all__ = ["LARGE_EVAL_IMAGES", "groups_table", "log_eval_plan", "log_plan", "work_per_rank"]
 
 logger = logging.getLogger(__name__)
+
+# Eval images per evaluation above which the dry run warns (they are gathered in the driver and tiled there).
+LARGE_EVAL_IMAGES = 256
 
 
 def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
@@ -77,22 +83,8 @@ def log_plan(args) -> None:
         )
     else:
         logger.info("rollout: each of the %d actor ranks generates its own shard on its student", ranks)
-    for config in configs:
-        group_args = compute_trainer_args(args, config)
-        hooks = {
-            name: getattr(group_args, f"custom_{name}_path", None)
-            for name in ("train_input_function", "prepare_train_batch", "loss_function", "train_output_function")
-        }
-        logger.info(
-            "group %s: overrides %s; init %s, teacher %s, lr %g, %d optimizer steps per rollout; hooks %s",
-            config.role,
-            config.overrides,
-            group_args.hf_checkpoint,
-            group_args.teacher_load,
-            group_args.lr,
-            group_args.num_steps_per_rollout,
-            hooks,
-        )
+    for line in groups_table(args):
+        logger.info("%s", line)
     logger.info("work per DP rank per rollout (DP size %d, %d pairs per rank):", ranks, rollout_pairs(args) // ranks)
     for who, phase in work_per_rank(args):
         logger.info(
@@ -110,6 +102,92 @@ def log_plan(args) -> None:
         start,
         args.num_rollout - 1,
         needs_sleep(len(configs), use_gpu),
-        saves,
+        _short_list(saves),
         args.save_hf,
     )
+    log_eval_plan(args)
+    log_estimate(args, args.num_rollout - start)
+    logger.info("memory per GPU: not estimated yet (the memory planner's figure is added to --dry-run once it exists)")
+
+
+def _short_list(values: list[int], shown: int = 8) -> str:
+    """``[249, 499, ..., 2999]`` for a long list (its first ``shown`` and its last), else the list as it is."""
+    if len(values) <= shown + 1:
+        return str(values)
+    return "[" + ", ".join(map(str, values[:shown])) + f", ... ({len(values)} in all), {values[-1]}]"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def groups_table(args) -> list[str]:
+    """The trainer groups as a table, in training order: init, teacher, learning rate, optimizer steps per rollout,
+    save and load directories; then each group's overrides of the command's flags, one per line (``--flag value``;
+    hooks by their dotted path)."""
+    configs = compute_trainer_configs(args)
+    rows = [["group", "init", "teacher", "lr", "steps/rollout", "save", "load"]]  # "-": none
+    for config in configs:
+        group = compute_trainer_args(args, config)
+        rows.append(
+            [
+                config.role,
+                str(group.hf_checkpoint),
+                str(group.teacher_load or "-"),
+                f"{group.lr:g}",
+                str(group.num_steps_per_rollout),
+                str(group.save or "-"),
+                str(group.load or "-"),
+            ]
+        )
+    lines = [f"trainer groups ({len(configs)}, in training order):", *_table(rows)]
+    for config in configs:
+        if not config.overrides:
+            lines.append(f"  group {config.role}: no overrides (the command's flags as given)")
+            continue
+        lines.append(f"  group {config.role} overrides (- = unset):")
+        override_rows = [
+            [flag(name), "-" if value is None else str(value)] for name, value in config.overrides.items()
+        ]
+        lines += ["  " + line for line in _table(override_rows)]
+    return lines
+
+
+def log_eval_plan(args) -> None:
+    """One line on the evaluation: how many prompts and images, from which file; a warning when the eval set is
+    the training prompts or large enough that gathering and tiling its images in the driver costs memory."""
+    from miles.driver.evaluation import eval_prompt_indices, load_eval_records
+
+    if not args.eval_interval:
+        logger.info("eval: none (no --eval-interval)")
+        return
+    path = args.eval_prompt_data or args.prompt_data
+    try:
+        records = load_eval_records(args)
+        from miles.rollout.data_source import read_jsonl_records
+
+        total = len(read_jsonl_records(path, args.input_key, "--eval-prompt-data"))
+    except (OSError, ValueError) as exc:
+        logger.info("eval: cannot read %s (%s)", path, exc)
+        return
+    prompts = len(eval_prompt_indices(total, args.eval_max_prompts))
+    logger.info(
+        "eval: every %d rollouts, %d prompts of %s (%d in the file; --eval-max-prompts %d) x %d samples = %d images",
+        args.eval_interval,
+        prompts,
+        path,
+        total,
+        args.eval_max_prompts,
+        args.eval_n_samples_per_prompt,
+        len(records),
+    )
+    if not args.eval_prompt_data:
+        logger.warning("eval: no --eval-prompt-data, so the eval prompts are training prompts (--prompt-data)")
+    if len(records) > LARGE_EVAL_IMAGES:
+        logger.warning(
+            "eval: %d images per evaluation all travel to the driver; lower --eval-max-prompts or "
+            "--eval-n-samples-per-prompt (more than %d is large)",
+            len(records),
+            LARGE_EVAL_IMAGES,
+        )

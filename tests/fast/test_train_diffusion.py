@@ -51,7 +51,9 @@ def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, 
         assert ray.util.placement_group_table() == pgs_before
     assert "placement: 2 bundles of {CPU: c}" in text or "placement: 2 bundles of {GPU: 1, CPU: c}" in text
     assert "rollout: none (--train-only): each actor rank reads its share of the data" in text
-    assert "group actor: overrides {}" in text and "sft.prepare_sft_batch" in text
+    assert f"  actor  {pipeline}  -        0.001  1              {tmp_path / 'ckpt'}  -" in text
+    assert "  group actor: no overrides (the command's flags as given)" in text
+    assert "eval: none (no --eval-interval)" in text and "time estimate (an estimate, not a measurement" in text
     assert "work per DP rank per rollout (DP size 2, 4 pairs per rank)" in text
     assert "schedule: rollouts 0..4" in text and "saves after rollouts [1, 3, 4]" in text
     assert not (tmp_path / "run").exists()

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from miles.driver.arguments import parse_args
-from miles.driver.plan import log_plan, work_per_rank
+from miles.driver.plan import groups_table, log_plan, work_per_rank
 from miles.methods.base import PhaseWork
 
 BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "4"]
@@ -37,14 +37,41 @@ def test_sft_train_only_has_no_rollout_phase():
     assert work_per_rank(args) == [("actor", PhaseWork("2 optimizer steps", 8, 8, 1))]
 
 
+def test_the_groups_are_a_table_with_each_groups_overrides_one_per_line():
+    args = parse_args([*DMD2, "--save", "/ckpt/run", "--critic-lr", "4e-5"])
+    assert groups_table(args) == [
+        "trainer groups (2, in training order):",
+        "  group   init             teacher          lr     steps/rollout  save              load",
+        "  critic  /models/teacher  /models/teacher  4e-05  3              /ckpt/run_critic  -",
+        "  actor   /models/student  -                1e-05  1              /ckpt/run         -",
+        "  group critic overrides (- = unset):",
+        "    --hf-checkpoint                      /models/teacher",
+        "    --lr                                 4e-05",
+        "    --load                               -",
+        "    --save                               /ckpt/run_critic",
+        "    --save-hf                            -",
+        "    --ema-decay                          -",
+        "    --num-steps-per-rollout              3",
+        "    --global-batch-size                  4",
+        "    --custom-prepare-train-batch-path    miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch",
+        "    --custom-loss-function-path          miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula",
+        "    --custom-train-output-function-path  miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0",
+        "    --train-output-before-step           -",
+        "  group actor overrides (- = unset):",
+        "    --teacher-load  -",
+    ]
+
+
 def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(caplog):
     args = parse_args([*DMD2, "--save", "/ckpt/run", "--save-interval", "2"])
     snapshot = copy.deepcopy(vars(args))
-    with caplog.at_level(logging.INFO, logger="miles.driver.plan"):
+    with caplog.at_level(logging.INFO, logger="miles.driver"):
         log_plan(args)
     assert vars(args) == snapshot
     text = caplog.text
-    assert text.index("group critic:") < text.index("group actor:")
+    assert text.index("  critic  /models/teacher") < text.index("  actor   /models/student")
+    # Neither pipeline exists here: the estimate says why it has no figure; the memory figure is the planner's.
+    assert "time estimate: none (" in text and "memory per GPU: not estimated yet" in text
     bundle = "{GPU: 1, CPU: c}" if torch.cuda.is_available() else "{CPU: c}"
     assert f"placement: 2 bundles of {bundle}" in text and "the 2 trainer groups share them" in text
     assert "rollout: each of the 2 actor ranks generates its own shard on its student" in text
