@@ -6,9 +6,13 @@ and the gradient" (tianweiy/DMD2 issue #33); this draws exactly that, one row pe
 
 Layout (output pixels; ``cell = max H · scale × max W · scale`` over the columns as drawn)::
 
-    ┌ header band: column names (only with titles=True) ────────────────────────────┐
-    │ sp │ cell │ sp │ cell │ sp │ ... │ sp │ cell │ ±scale │ sp │   sample 0
-    │ sp │ cell │ sp │ cell │ sp │ ... │ sp │ cell │ ±scale │ sp │   sample 1 ...
+    ┌ title band (with titles=True and a title) ─────────────────────────────────────────────┐
+    │        ┌ header band: column names (only with titles=True) ──────────────────────────┐ │
+    │ label  │ sp │ cell │ sp │ cell │ sp │ ... │ sp │ cell │ ±scale │ sp │   sample 0     │ │
+    │ label  │ sp │ cell │ sp │ cell │ sp │ ... │ sp │ cell │ ±scale │ sp │   sample 1 ... │ │
+    └ legend band: −max ▮▮▮ +max colour bar, the scale rule, the non-finite colour ─────────┘
+
+The row labels and the legend band appear with ``titles=True`` only (the legend when a signed column is drawn).
 
 * **Image columns** (every column not in ``signed``): with ``decode`` (e.g. a model family's
   ``latents_to_images``, through its VAE) the column is ``decode(latents)``, uint8 ``(N, H', W', 3 or 1)`` or
@@ -27,7 +31,7 @@ Layout (output pixels; ``cell = max H · scale × max W · scale`` over the colu
 
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +143,9 @@ def render_dmd2_debug_grid(
     scale: int | None = None,
     titles: bool = True,
     spacing: int = 2,
+    title: str | None = None,
+    row_labels: Sequence[str] | None = None,
+    legend: bool = True,
 ) -> Image.Image:
     """Draw the grid (see the module docstring) and return it as an RGB PIL image.
 
@@ -151,8 +158,14 @@ def render_dmd2_debug_grid(
             signed ones); None reads image columns as pixels in ``[-1, 1]``.
         scale: integer nearest-neighbour upscaling factor (≥ 1) of the largest column; default
             ``max(1, 64 // largest side)``. Smaller columns are upscaled further to the same cell size.
-        titles: draw the header row of column names and each signed row's ``±max |·|``; False draws pixels only.
+        titles: draw the header row of column names and each signed row's ``±max |·|``, the ``title``, the
+            ``row_labels`` and, when a signed column is drawn, the colour legend below the rows (the colormap from
+            ``−max`` through 0 to ``+max``, and the non-finite colour); False draws pixels only.
         spacing: background pixels around and between cells (≥ 0).
+        title: a line above the grid (e.g. the rollout and which weights drew the samples); with ``titles``.
+        row_labels: N texts (lines split at ``\n``) in a column left of the rows (e.g. the prompt, the stopped step
+            and σ); with ``titles``.
+        legend: draw the colour legend (with ``titles``, when a signed column is drawn).
 
     Returns:
         ``PIL.Image`` in mode "RGB". With ``titles=False`` it is exactly
@@ -160,12 +173,15 @@ def render_dmd2_debug_grid(
 
     Raises:
         ValueError: naming the column, for a tensor that is not float 4-D, a column whose N differs from the first
-            column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0, or a
-            ``scale`` below 1 / negative ``spacing``.
+            column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0, a
+            ``scale`` below 1 / negative ``spacing``, or ``row_labels`` of another length than N.
     """
     if (scale is not None and scale < 1) or spacing < 0:
         raise ValueError(f"scale={scale} must be >= 1 (or None) and spacing={spacing} >= 0")
     tensors = _check_columns(columns)
+    rows = len(next(iter(tensors.values())))
+    if row_labels is not None and len(row_labels) != rows:
+        raise ValueError(f"got {len(row_labels)} row labels for {rows} rows")
     with torch.no_grad():
         drawn: dict[str, np.ndarray] = {}
         row_scales: dict[str, list[float]] = {}
@@ -181,7 +197,6 @@ def render_dmd2_debug_grid(
     width = max(pixels.shape[2] for pixels in drawn.values())
     scale = scale or max(1, _TARGET_CELL // max(height, width))
     cell_h, cell_w = height * scale, width * scale
-    rows = len(next(iter(drawn.values())))
 
     font = _font(max(8, min(14, cell_h // 3)))
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
@@ -221,7 +236,59 @@ def render_dmd2_debug_grid(
                 top = header_h + spacing + row * (cell_h + spacing)
                 _draw_text(draw, text, (lefts[name] + cell_w + spacing + 1, top + cell_h / 2), font, centre_y=True)
             x += slot_w[name] + spacing
+        row_tops = [header_h + spacing + row * (cell_h + spacing) for row in range(rows)]
+        legend = [name for name in drawn if name in signed] if legend else []
+        image = _frame(image, font, text_size, spacing, title, row_labels, row_tops, cell_h, legend)
     return image
+
+
+def _frame(image, font, text_size, spacing, title, row_labels, row_tops, cell_h, legend) -> Image.Image:
+    """The grid inside its explanations: the title above, the row labels on the left, the colour legend of the
+    signed columns (named in ``legend``) below."""
+    line_h = text_size("Ag")[1] + 2
+    label_lines = [str(label).split("\n") for label in row_labels or []]
+    label_w = max((text_size(line)[0] for lines in label_lines for line in lines), default=0)
+    left = label_w + 3 * spacing if label_lines else 0
+    top = line_h + 2 * spacing if title else 0
+    legend_lines = []
+    if legend:
+        names = ", ".join(legend)
+        legend_lines = [
+            f"{names}: mean over channels, each row scaled to its own max |value| (printed right of the cell as ±max)",
+            "non-finite values (NaN, inf) in any column",
+        ]
+    bar_w, bar_h = 160, max(8, line_h - 4)
+    legend_h = (bar_h + 3 * line_h + 4 * spacing) if legend else 0
+    width = max(
+        left + image.width,
+        text_size(title)[0] + 2 * spacing if title else 0,
+        max((text_size(line)[0] + bar_w // 4 + 3 * spacing for line in legend_lines), default=0),
+        bar_w + text_size("+max")[0] + 4 * spacing if legend else 0,
+    )
+    framed = Image.new("RGB", (width, top + image.height + legend_h), _BACKGROUND)
+    framed.paste(image, (left, top))
+    draw = ImageDraw.Draw(framed)
+    if title:
+        _draw_text(draw, title, (spacing, spacing), font)
+    for lines, row_top in zip(label_lines, row_tops):
+        y = top + row_top + cell_h / 2 - line_h * len(lines) / 2
+        for number, line in enumerate(lines):
+            _draw_text(draw, line, (spacing, y + number * line_h), font)
+    if legend:
+        y = top + image.height + spacing
+        # The colormap from −max (its blue end) through 0 (its near-white middle) to +max (its red end).
+        ramp = colormaps[COLORMAP](np.linspace(0.0, 1.0, bar_w), bytes=True)[:, :3]
+        x0 = spacing + text_size("-max")[0] + spacing
+        framed.paste(Image.fromarray(np.repeat(ramp[None], bar_h, axis=0)), (x0, y))
+        _draw_text(draw, "-max", (spacing, y + bar_h / 2), font, centre_y=True)
+        _draw_text(draw, "0", (x0 + bar_w / 2, y + bar_h + 1), font, centre_x=True)
+        _draw_text(draw, "+max", (x0 + bar_w + spacing, y + bar_h / 2), font, centre_y=True)
+        y += bar_h + line_h + spacing
+        _draw_text(draw, legend_lines[0], (spacing, y), font)
+        y += line_h
+        draw.rectangle((spacing, y + 1, spacing + line_h - 4, y + line_h - 3), fill=NON_FINITE_RGB)
+        _draw_text(draw, legend_lines[1], (2 * spacing + line_h - 2, y), font)
+    return framed
 
 
 def _draw_text(draw, text: str, at: tuple[float, float], font, *, centre_x=False, centre_y=False) -> None:

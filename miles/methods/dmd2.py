@@ -64,13 +64,33 @@ DMD2_GAN_CRITIC_HOOKS = {
 }
 
 
-# Samples in the debug grid of each evaluation.
-DEBUG_SAMPLES = 8
+# Rows of the debug grid of each evaluation: one per distinct eval prompt, at most this many.
+DEBUG_SAMPLES = 10
+
+
+def debug_records(records: list[dict], input_key: str, limit: int = DEBUG_SAMPLES) -> list[dict]:
+    """One record per distinct prompt, in the order they first appear, at most ``limit``: the eval prompts of a
+    file sorted by class (the digits' ten rows of ten) give one row per class, not ``limit`` rows of the first."""
+    chosen: dict[str, dict] = {}
+    for record in records:
+        chosen.setdefault(str(record[input_key]), record)
+        if len(chosen) == limit:
+            break
+    return list(chosen.values())
+
+
+def _row_label(prompt: str, pair, sigma: float, num_steps: int) -> str:
+    shown = prompt if len(prompt) <= 30 else prompt[:27] + "..."
+    # x_i is the student's input of step i + 1 of num_steps (1-based, as a user counts steps).
+    stopped = f"x_i: step {pair.step_index + 1} of {num_steps}, sigma {pair.sigma:.2f}"
+    return f"{shown}\n{stopped}\nscored at sigma {sigma:.2f}"
 
 
 def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict], rollout_id: int) -> Path:
     """Generate ``records``' samples with the actor group (rollout id ``"debug"``), score them with the critic
-    group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`."""
+    group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`
+    with a title (the rollout, the weights that drew the samples), one labelled row per record (its prompt, the
+    step the student stopped at with its σ, the σ the teacher and critic scored at) and the colour legend."""
     import ray
 
     from miles.eval.debug_grid import save_dmd2_debug_grid
@@ -108,7 +128,16 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
         columns["g_gan"] = column("g_gan")
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
-    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=family.latents_to_images)
+    steps = len(args.diffusion_timesteps) if args.diffusion_timesteps else args.diffusion_num_steps
+    sigmas = column("sigma").tolist()
+    title = (
+        f"DMD2 debug, after rollout {rollout_id}: student samples from its live weights (rollouts never use the "
+        f"EMA), teacher CFG {args.dmd2_teacher_guidance_scale:g}, critic unguided"
+    )
+    labels = [_row_label(pair.prompt, pair, sigma, steps) for pair, sigma in zip(pairs, sigmas)]
+    return save_dmd2_debug_grid(
+        columns, path, signed={"g", "g_gan"}, decode=family.latents_to_images, title=title, row_labels=labels
+    )
 
 
 def _int_list(text: str) -> list[int]:
@@ -280,6 +309,24 @@ class DMD2Method(Method):
     def validate(self, args: argparse.Namespace) -> None:
         validate_dmd2_args(args)
 
+    def check_inputs(self, args: argparse.Namespace) -> None:
+        """``--dmd2-gan-feature-blocks`` name blocks the critic's transformer has (its config's ``num_layers``)."""
+        if not gan_enabled(args) or not args.dmd2_gan_feature_blocks:
+            return
+        from miles.models.base import read_json
+
+        config = read_json(Path(args.critic_load) / "transformer" / "config.json", "critic transformer config")
+        layers = config.get("num_layers") if isinstance(config, dict) else None
+        for block in args.dmd2_gan_feature_blocks:
+            if isinstance(layers, int) and block >= layers:
+                where = (
+                    "--critic-load" if args.critic_load != args.teacher_load else "--teacher-load (the critic's init)"
+                )
+                reject(
+                    f"--dmd2-gan-feature-blocks holds block {block}, but {where} {args.critic_load} has {layers} "
+                    f"transformer blocks (0..{layers - 1})"
+                )
+
     def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
         """The critic first, so it catches up with the student that produced the rollout and then scores it for the
         actor's step; the actor's copy drops ``teacher_load`` so only the critic group holds the teacher."""
@@ -313,9 +360,10 @@ class DMD2Method(Method):
         collapsing run, look at exactly these): per sample ``x_i``, the student's x̂0_i, the teacher's and the
         critic's x0 predictions of it re-noised, and the gradient map g (and ``g_gan`` under phase 2), decoded
         through the family's VAE where there is one. The samples' noise and stop steps are keyed by the rollout id
-        ``"debug"``, so every evaluation of a run draws the same ones. Saved as
-        ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
-        return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, eval_records[:DEBUG_SAMPLES], rollout_id)}
+        ``"debug"``, so every evaluation of a run draws the same ones: one per distinct eval prompt
+        (:func:`debug_records`). Saved as ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
+        records = debug_records(eval_records, args.input_key)
+        return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, records, rollout_id)}
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:

@@ -161,6 +161,44 @@ def test_titles_and_save(tmp_path, digits):
         np.testing.assert_array_equal(np.asarray(saved), np.asarray(titled))
 
 
+def test_a_title_row_labels_and_the_colour_legend_frame_the_same_grid(digits):
+    columns = {"x0 student": digits, "g": _randn(digits.shape, "g")}
+    plain = np.asarray(render_dmd2_debug_grid(columns, legend=False))
+    labels = [f"digit {row}\nstopped at step 1/4, sigma 0.90" for row in range(N)]
+    framed = np.asarray(render_dmd2_debug_grid(columns, title="rollout 3, live weights", row_labels=labels))
+    # The grid itself is unchanged, moved right by the label column and down by the title band, the legend below.
+    height, width = plain.shape[:2]
+    hits = [
+        (top, left)
+        for top in range(framed.shape[0] - height + 1)
+        for left in range(framed.shape[1] - width + 1)
+        if np.array_equal(framed[top : top + height, left : left + width], plain)
+    ]
+    assert len(hits) == 1
+    top, left = hits[0]
+    assert top > 0 and left > 0
+    assert (framed[:top].sum(axis=-1) < 200).any()  # the title's ink
+    assert (framed[top : top + height, :left].sum(axis=-1) < 200).any()  # the row labels' ink
+    # The legend below the rows: the colormap's two ends and its middle, and the non-finite colour.
+    colours = {tuple(int(v) for v in pixel) for pixel in framed[top + height :].reshape(-1, 3)}
+    assert {BLUE_END, RED_END, NON_FINITE_RGB} <= colours
+    assert any(np.abs(np.array(colour) - np.array(MIDDLE)).max() <= 2 for colour in colours)
+    # No legend without a signed column; labels must match the rows.
+    unsigned = np.asarray(render_dmd2_debug_grid({"x0 student": digits}, title="t"))
+    assert NON_FINITE_RGB not in {tuple(int(v) for v in pixel) for pixel in unsigned.reshape(-1, 3)}
+    with pytest.raises(ValueError, match="got 2 row labels for 8 rows"):
+        render_dmd2_debug_grid(columns, row_labels=["a", "b"])
+
+
+def test_the_debug_rows_are_one_per_distinct_eval_prompt():
+    from miles.methods.dmd2 import debug_records
+
+    # The digits eval file: each digit's prompt 10 times, sorted by digit; the first 8 records are all zeros.
+    records = [{"prompt": f"a handwritten digit {d}", "label": d} for d in range(10) for _ in range(10)]
+    assert [r["label"] for r in debug_records(records, "prompt")] == list(range(10))
+    assert [r["label"] for r in debug_records(records, "prompt", limit=3)] == [0, 1, 2]
+
+
 def test_errors_name_the_column(digits):
     with pytest.raises(ValueError, match="column 'g' has 7 samples but column 'x_i' has 8"):
         render_dmd2_debug_grid({"x_i": digits, "g": digits[:7]})
