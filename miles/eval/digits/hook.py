@@ -108,7 +108,7 @@ def sample_digits(
                     shift=shift,
                     sample_indices=list(range(start, stop)),
                     batch_size=batch_size,
-                )
+                ).images
             )
             bar.update(stop - start)
     return np.concatenate(chunks), labels

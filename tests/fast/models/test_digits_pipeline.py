@@ -82,18 +82,41 @@ def test_schedule_is_written_into_the_scheduler_config_and_survives_diffusers(st
 
 
 def test_student_draws_with_its_exported_schedule(student_dir, student):
-    images = student(PROMPTS, seed=5)
+    images = student(PROMPTS, seed=5).images
     assert images.shape == (3, 8, 8, 1) and images.dtype == np.uint8
     expected = reference(student_dir, PROMPTS, num_steps=4, shift=3.0, guidance_scale=1.0, step_rule="dmd2", seed=5)
     np.testing.assert_array_equal(images, expected)
-    np.testing.assert_array_equal(student(PROMPTS, seed=5), images)  # deterministic for a seed
-    assert not np.array_equal(student(PROMPTS, seed=6), images)
+    np.testing.assert_array_equal(student(PROMPTS, seed=5).images, images)  # deterministic for a seed
+    assert not np.array_equal(student(PROMPTS, seed=6).images, images)
+    # diffusers' call shape: a generator seeded with 5 draws what seed=5 draws, and return_dict=False a tuple
+    generator = torch.Generator().manual_seed(5)
+    (drawn,) = student(PROMPTS, generator=generator, return_dict=False)
+    np.testing.assert_array_equal(drawn, images)
     # a sample depends on its seed and index, not on the batch it is drawn in (up to float rounding of a pixel)
-    alone = student(PROMPTS[2], seed=5, sample_indices=[2])
+    alone = student(PROMPTS[2], seed=5, sample_indices=[2]).images
     assert np.abs(alone.astype(int) - images[2:].astype(int)).max() <= 1
     # overrides: 1 step of the same rule, CFG with the negative prompt
     one_step = reference(student_dir, PROMPTS, num_steps=1, shift=3.0, guidance_scale=2.0, step_rule="dmd2", seed=5)
-    np.testing.assert_array_equal(student(PROMPTS, num_inference_steps=1, guidance_scale=2.0, seed=5), one_step)
+    np.testing.assert_array_equal(student(PROMPTS, num_inference_steps=1, guidance_scale=2.0, seed=5).images, one_step)
+
+
+def test_diffusers_generic_loader_opens_the_directory_as_a_digits_pipeline(student_dir, student, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    # diffusers runs a custom pipeline's module file only when asked to
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        DiffusionPipeline.from_pretrained(student_dir)
+    pipe = DiffusionPipeline.from_pretrained(student_dir, trust_remote_code=True)
+    assert type(pipe) is DigitsPipeline and pipe.sampling_defaults == student.sampling_defaults
+    images = pipe(PROMPTS, generator=torch.Generator().manual_seed(5)).images
+    np.testing.assert_array_equal(images, student(PROMPTS, seed=5).images)
+    # what save_pretrained writes opens the same way (the export and the recipe's stages go through it)
+    pipe.save_pretrained(tmp_path / "copy")
+    assert json.loads((tmp_path / "copy" / "model_index.json").read_text())["_class_name"] == [
+        "pipeline_digits",
+        "DigitsPipeline",
+    ]
+    assert type(DiffusionPipeline.from_pretrained(tmp_path / "copy", trust_remote_code=True)) is DigitsPipeline
 
 
 def test_teacher_defaults_to_28_euler_steps(teacher_dir):
@@ -102,10 +125,10 @@ def test_teacher_defaults_to_28_euler_steps(teacher_dir):
     assert teacher.sampling_defaults["step_rule"] == "euler" and not teacher.sampling_defaults["is_student"]
     prompts = PROMPTS[:2]
     expected = reference(teacher_dir, prompts, num_steps=28, shift=3.0, guidance_scale=3.0, step_rule="euler", seed=0)
-    np.testing.assert_array_equal(teacher(prompts, guidance_scale=3.0), expected)
-    pil = teacher(prompts[0], num_inference_steps=2, output_type="pil")
+    np.testing.assert_array_equal(teacher(prompts, guidance_scale=3.0).images, expected)
+    pil = teacher(prompts[0], num_inference_steps=2, output_type="pil").images
     assert len(pil) == 1 and pil[0].mode == "L" and pil[0].size == (8, 8)
-    np.testing.assert_array_equal(np.asarray(pil[0]), teacher(prompts[0], num_inference_steps=2)[0, ..., 0])
+    np.testing.assert_array_equal(np.asarray(pil[0]), teacher(prompts[0], num_inference_steps=2).images[0, ..., 0])
 
 
 def test_explicit_timesteps_are_the_default_grid_until_overridden(tmp_path):
@@ -120,7 +143,7 @@ def test_explicit_timesteps_are_the_default_grid_until_overridden(tmp_path):
     expected = reference(
         path, PROMPTS, num_steps=2, shift=3.0, guidance_scale=1.0, step_rule="dmd2", seed=0, timesteps=[1000, 500]
     )
-    np.testing.assert_array_equal(pipe(PROMPTS), expected)
+    np.testing.assert_array_equal(pipe(PROMPTS).images, expected)
 
 
 def test_bad_schedules_and_calls_are_rejected(tmp_path, student):
@@ -139,6 +162,8 @@ def test_bad_schedules_and_calls_are_rejected(tmp_path, student):
         student([])
     with pytest.raises(ValueError, match="output_type 'pt' is unknown"):
         student("a handwritten digit one", output_type="pt")
+    with pytest.raises(ValueError, match="pass generator or seed, not both"):
+        student("a handwritten digit one", generator=torch.Generator().manual_seed(1), seed=1)
 
 
 def test_pipeline_moves_with_the_transformer(student):
