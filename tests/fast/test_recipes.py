@@ -19,37 +19,63 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **extra}
 
 
-def test_sd35_medium_dmd2_recipe_passes_its_dry_run(tmp_path):
-    proc = subprocess.run(
-        ["bash", str(REPO / "examples" / "sd35_medium" / "run_dmd2.sh")],
-        env=_env(DRY_RUN="1", OUT=str(tmp_path / "out")),
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_sd35_medium_dmd2_recipe_prepares_its_data_and_passes_its_dry_run(tmp_path):
+    """The recipe's two steps on a machine without a GPU, on a tiny SD3 pipeline with CLIP x2 and T5 in place of
+    the gated SD3.5-Medium: ``prepare`` writes the prompt cache and the real images' latents (with their cached
+    conds), then ``DRY_RUN=1`` checks every input of the phase-2 command and prints its plan."""
+    from PIL import Image
+
+    from tests.support.sd3_t5 import PIXEL_SIZE, tiny_sd3_t5_pipeline
+
+    model = tiny_sd3_t5_pipeline(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a photo of thing {i}"}) + "\n" for i in range(8)))
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        Image.new("RGB", (PIXEL_SIZE, PIXEL_SIZE), (40 * i, 90, 200 - 40 * i)).save(images / f"real{i}.png")
+        (images / f"real{i}.txt").write_text(f"a real photo {i}")
+    data, out = tmp_path / "data", tmp_path / "out"
+    env = _env(MODEL_DIR=str(model), PROMPTS=str(prompts), IMAGES=str(images), DATA=str(data), OUT=str(out),
+               DEVICE="cpu")  # fmt: skip
+    script = str(REPO / "examples" / "sd35_medium" / "run_dmd2.sh")
+    prepare = subprocess.run(["bash", script, "prepare"], env=env, capture_output=True, text=True, timeout=600)
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    real = [json.loads(line) for line in (data / "real" / "prompts.jsonl").read_text().splitlines()]
+    assert [record["prompt"] for record in real] == [f"a real photo {i}" for i in range(3)]
+    assert all(
+        (data / "real" / record["latent"]).is_file() and (data / "real" / record["cond"]).is_file() for record in real
     )
+    assert (data / "prompts" / "negative.safetensors").is_file()
+
+    proc = subprocess.run(["bash", script], env={**env, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     # 8 ranks on one node, one bundle each (GPU bundles on a GPU machine, CPU bundles here); every rank generates.
     assert re.search(r"placement: 8 bundles of \{(GPU: 1, )?CPU: c\}", log), log
     assert "rollout: each of the 8 actor ranks generates its own shard on its student" in log
     assert "work per DP rank per rollout (DP size 8, 10 pairs per rank)" in log
-    # Both groups, the critic first: K = 5 steps at the critic lr from the teacher; the student one step at its lr.
-    critic, actor = log.index("group critic:"), log.index("group actor:")
+    # Both groups, the critic first: K = 5 steps at the critic lr from the teacher, with the GAN head; the student
+    # one step at its lr.
+    rows = [line.split("plan: ", 1)[-1] for line in log.splitlines()]
+    critic = next(i for i, row in enumerate(rows) if row.startswith(f"  critic  {model}"))
+    actor = next(i for i, row in enumerate(rows) if row.startswith(f"  actor   {model}"))
     assert critic < actor
-    critic_line = log[critic:].splitlines()[0]
-    actor_line = log[actor:].splitlines()[0]
-    assert "lr 8e-06, 5 optimizer steps per rollout" in critic_line and "dmd2.prepare_critic_batch" in critic_line
-    assert f"save': '{tmp_path / 'out' / 'ckpt'}_critic'" in critic_line
-    assert "lr 2e-06, 1 optimizer steps per rollout" in actor_line and "teacher None" in actor_line
-    assert "dmd2.dmd2_loss_formula" in actor_line
+    assert rows[critic].split() == ["critic", str(model), str(model), "8e-06", "5", f"{out}/ckpt_critic", "-"]
+    assert rows[actor].split() == ["actor", str(model), "-", "2e-06", "1", f"{out}/ckpt", "-"]
+    assert any(row.split() == ["--custom-build-modules-path", "miles.backends.fsdp_utils.loss_hub.gan.build_discriminator"]
+               for row in rows)  # fmt: skip
     # The groups take turns on shared GPUs; the dry run reports what this machine would do.
     sleeps = torch.cuda.is_available()
     assert (
         f"schedule: rollouts 0..2999, sleep between groups on GPUs: {sleeps}, saves after rollouts [249, 499," in log
     )
-    assert f"export {tmp_path / 'out' / 'student'}" in log
+    assert f"... (12 in all), 2999], export {out / 'student'}" in log
+    assert f"eval: every 250 rollouts, 8 prompts of {data / 'prompts' / 'prompts.jsonl'}" in log
+    assert "time estimate (an estimate, not a measurement: no CUDA line of miles has run yet)" in log
+    assert "memory per GPU: not estimated yet" in log
     # A dry run writes nothing: no run directory, no wandb files.
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
 
 
 def test_dry_run_rejects_a_bad_combination_with_one_line_and_exit_2(tmp_path):

@@ -59,6 +59,19 @@ def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_hook_module_of_the_working_directory_imports(pipeline, data, tmp_path):
+    """``python train_diffusion.py`` puts only the script's directory on sys.path; the driver adds the one the command
+    runs in, so a user's ``my_hooks.py`` there is a hook path without PYTHONPATH."""
+    from tests.support.cli import run_commands
+
+    (tmp_path / "my_hooks.py").write_text("def loss(ctx, pairs, prepared, *, new_pred, metrics):\n    return 0\n")
+    argv = _cli(pipeline, data, tmp_path / "run", "--num-rollout", "1", "--custom-loss-function-path",
+                "my_hooks.loss", "--dry-run")  # fmt: skip
+    here, elsewhere = run_commands([{"argv": argv, "cwd": str(tmp_path)}, {"argv": argv, "cwd": str(REPO)}])
+    assert here["returncode"] == 0, here["stderr"][-2000:]
+    assert elsewhere["returncode"] == 2 and "cannot import module 'my_hooks'" in elsewhere["stderr"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

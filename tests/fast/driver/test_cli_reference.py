@@ -120,3 +120,8 @@ def test_help_lists_every_flag(columns):
     # Whole tokens, so `--lr` is not taken as found inside `--lr-decay-style`.
     listed = set(re.findall(r"--[a-z0-9][a-z0-9-]*", result.stdout))
     assert set(_all_flags(build_parser())) <= listed
+    # Every default is shown; unset flags (None) and off switches show none.
+    text = " ".join(result.stdout.split())
+    assert "AdamW learning rate of the actor (student). (default: 1e-05)" in text
+    assert "(default: sft_loss)" in text and "(default: 100)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
