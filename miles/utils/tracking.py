@@ -58,9 +58,9 @@ class MetricsTracker:
 
         mode = getattr(args, "wandb_mode", "offline") or "offline"
         run = wandb.init(
-            # An id of our own, so that a resume can name the run; "allow" continues it when it exists.
-            id=run_id or wandb.util.generate_id(),
-            resume="allow",
+            # A resume names the run whose id its checkpoint kept ("allow": continue it, or create it offline).
+            id=run_id,
+            resume="allow" if run_id else None,
             project=getattr(args, "wandb_project", "miles"),
             group=Path(args.output_dir).resolve().name,
             job_type=job,

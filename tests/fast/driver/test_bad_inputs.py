@@ -369,10 +369,12 @@ def _gan_feature_block_out_of_range(w, d):
 def _load_truncated_shard(w, d):
     checkpoint_layout(d / "ckpt", 0, commit=False)
     shard = next((checkpoint_layout(d / "ckpt", 1) / "dcp").glob("*.distcp"))
+    size = shard.stat().st_size  # DCP writes the shard to exactly the end its metadata names
     shard.write_bytes(shard.read_bytes()[:100])
     message = (
         f"--load {d / 'ckpt'} committed rollout 1, but it is damaged: shard {shard} holds 100 bytes, but the "
-        f"checkpoint's metadata needs"
+        f"checkpoint's metadata needs {size}; rollout_0 is complete: write 0 into {d / 'ckpt' / 'latest'} to resume "
+        "from it"
     )
     return sft(w, d, "--load", str(d / "ckpt"), "--num-rollout", "5"), message
 

@@ -102,6 +102,27 @@ def test_image_errors_name_the_record_and_a_wrong_size_is_rejected(tmp_path):
         JsonlPromptSource(tmp_path)
 
 
+def test_a_non_finite_stored_latent_is_refused_naming_the_sample_and_the_file(tmp_path):
+    """Trained on, a latent with an inf only made the non-finite guard skip steps, and the run exited 0 without
+    naming the record."""
+    from safetensors.torch import save_file
+
+    from miles.rollout.data_source import load_record_latent
+
+    latent = torch.zeros(1, 8, 8)
+    latent[0, 2, 3] = float("inf")
+    save_file({"latent": latent}, str(tmp_path / "bad.safetensors"))
+    np.save(tmp_path / "good.npy", np.zeros((1, 8, 8), dtype=np.float32))
+    args = type("Args", (), {"latent_key": "latent", "image_key": "image"})()
+    where = "real sample 5 (prompt 'a 5')"
+    with pytest.raises(ValueError) as exc_info:
+        load_record_latent(args, None, {"latent": "bad.safetensors"}, tmp_path, (1, 8, 8), where=where)
+    assert str(exc_info.value) == (
+        f"{where}: latent file {tmp_path / 'bad.safetensors'} holds 1 non-finite values (NaN/inf); re-encode the image"
+    )
+    assert load_record_latent(args, None, {"latent": "good.npy"}, tmp_path, (1, 8, 8)).abs().sum() == 0
+
+
 def test_split_prompts_is_contiguous_equal_and_exact():
     assert split_prompts(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
     assert split_prompts(4, 1) == [range(0, 4)]
