@@ -1,18 +1,18 @@
 """What a resume continues: the run record kept with each checkpoint, and what the driver checks and says with it.
 
-Every save commits, beside the groups' checkpoints, ``<save>/rollout_<id>/run.json``: the loss type, the flags a
-resume may change (the optimizers' and schedules' settings) and the wandb run id. A resume (``--load``) reads the
-record of the committed rollout and
+Every save commits, beside the groups' checkpoints, ``<save>/rollout_<id>/run.json``: the method (``--loss-type``),
+the flags a resume may change (the optimizers' and schedules' settings) and the wandb run id. A resume (``--load``)
+reads the record of the committed rollout and
 
-- refuses another loss type's checkpoint before Ray starts (an ``sft_loss`` run would otherwise load a DMD2
-  student, its optimizer and a data cursor of another file, without a word);
+- refuses another method's checkpoint before Ray starts (an ``sft_loss`` run would otherwise load a DMD2 student,
+  its optimizer and a data cursor of another file, without a word);
 - lists, on one line, the settings this command changes; the trainer applies them after loading
   (``miles.backends.fsdp_utils.optimizer.apply_optimizer_args``);
 - continues the same wandb run (its id is in the record).
 
-Checkpoints written before the record existed resume as before (nothing to compare), except that an
-``sft_loss`` or custom run refuses a directory with a ``<load>_critic`` sibling holding the committed rollout, the
-layout of a DMD2 run.
+Checkpoints written before the record existed resume as before (nothing to compare), except that a command is
+refused when a sibling ``<load>_<suffix>`` holds the committed rollout of a group this command does not have (a
+DMD2 run's ``<load>_critic`` under an ``sft_loss`` command).
 """
 
 import argparse
@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles.methods import get_method
 from miles.utils.validation import flag, reject
 
 __all__ = [
@@ -53,13 +54,13 @@ RESUMABLE_SETTINGS = (
 
 
 def run_record(args: argparse.Namespace, rollout_id: int, wandb_run_id: str | None) -> dict[str, Any]:
-    """The record a save of ``rollout_id`` commits: ``{"format", "rollout_id", "loss_type", "settings": {dest:
-    value}, "wandb_run_id"}``."""
+    """The record a save of ``rollout_id`` commits: ``{"format", "rollout_id", "method", "settings": {dest: value},
+    "wandb_run_id"}`` (``method``: the ``--loss-type``)."""
     settings = {dest: getattr(args, dest) for dest in RESUMABLE_SETTINGS if hasattr(args, dest)}
     return {
         "format": FORMAT,
         "rollout_id": rollout_id,
-        "loss_type": args.loss_type,
+        "method": get_method(args).name,
         "settings": settings,
         "wandb_run_id": wandb_run_id,
     }
@@ -101,31 +102,49 @@ def read_run_record(load_dir: str | os.PathLike, rollout_id: int) -> dict[str, A
 
 
 def check_resume(args: argparse.Namespace, rollout_id: int) -> dict[str, Any] | None:
-    """Refuse a ``--load`` of another loss type's checkpoint; return its run record (None when it has none).
+    """Refuse a ``--load`` of another method's checkpoint; return its run record (None when it has none).
 
     Raises:
-        ArgumentValidationError: naming ``--load``, both loss types and the fix.
+        ArgumentValidationError: naming ``--load``, both methods and the fix.
     """
+    method = get_method(args).name
     try:
         record = read_run_record(args.load, rollout_id)
     except ValueError as exc:
         reject(f"--load {args.load}: {exc}")
     if record is not None:
-        saved = record.get("loss_type")
-        if saved != args.loss_type:
+        saved = record.get("method")
+        if saved != method:
             reject(
                 f"--load {args.load} holds a --loss-type {saved} checkpoint (rollout {rollout_id}) but this command "
-                f"is --loss-type {args.loss_type}; resume it with --loss-type {saved}, or start the "
-                f"{args.loss_type} run from an exported pipeline (--hf-checkpoint) with a new --save"
+                f"is --loss-type {method}; resume it with --loss-type {saved}, or start the {method} run from an "
+                "exported pipeline (--hf-checkpoint) with a new --save"
             )
         return record
-    critic = Path(f"{os.path.normpath(args.load)}_critic") / f"rollout_{rollout_id}"
-    if args.loss_type != "dmd2" and critic.is_dir():
-        reject(
-            f"--load {args.load} has a DMD2 critic checkpoint beside it ({critic}), but this command is --loss-type "
-            f"{args.loss_type}; resume it with --loss-type dmd2, or start from an exported pipeline (--hf-checkpoint)"
-        )
+    roles = {config.role for config in get_method(args).trainer_configs(args)}
+    for sibling, role in _sibling_groups(args.load, rollout_id):
+        if role not in roles:
+            reject(
+                f"--load {args.load} has a {role} group's checkpoint beside it ({sibling}) that --loss-type {method} "
+                "does not load; resume it with the --loss-type that saved it, or start from an exported pipeline "
+                "(--hf-checkpoint)"
+            )
     return None
+
+
+def _sibling_groups(load: str, rollout_id: int) -> list[tuple[Path, str]]:
+    """``(checkpoint, role)`` of the other groups' checkpoints of ``rollout_id`` beside ``load`` (``<load>_<x>``)."""
+    base = Path(os.path.normpath(load))
+    found = []
+    for sibling in sorted(base.parent.glob(f"{base.name}_*")):
+        metadata = sibling / f"rollout_{rollout_id}" / "metadata.json"
+        try:
+            role = json.loads(metadata.read_text()).get("role")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(role, str):
+            found.append((metadata.parent, role))
+    return found
 
 
 def changed_settings(args: argparse.Namespace, record: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:

@@ -186,7 +186,7 @@ def test_a_resume_says_where_it_continues_applies_changed_settings_and_continues
     ids = {run.name.rsplit("-", 1)[-1] for run in runs}
     assert len(runs) == 2 and len(ids) == 1, runs
     record = read_run_record(save, 2)
-    assert record["wandb_run_id"] == ids.pop() and record["loss_type"] == "sft_loss"
+    assert record["wandb_run_id"] == ids.pop() and record["method"] == "sft_loss"
     assert record["settings"]["lr"] == 2e-3 and record["settings"]["weight_decay"] == 0.01
 
 

@@ -54,12 +54,18 @@ def truncate_weights(pipeline: Path) -> None:
 
 
 def checkpoint_layout(
-    save_dir: Path, rollout_id: int, *, commit: bool = True, data_state=None, loss_type: str | None = None
+    save_dir: Path,
+    rollout_id: int,
+    *,
+    commit: bool = True,
+    data_state=None,
+    loss_type: str | None = None,
+    role: str = "actor",
 ) -> Path:
     """A real checkpoint of ``rollout_id`` as ``checkpoint.save_checkpoint`` writes it (DCP shards, per-rank file,
     ``metadata.json``; ``latest`` with ``commit``), of a 4×4 linear layer and its AdamW: what the preflight reads,
     though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes the run
-    record of ``miles.driver.resume``."""
+    record of ``miles.driver.resume``; ``role`` is the group's, in its metadata."""
     import argparse
 
     import torch
@@ -76,7 +82,7 @@ def checkpoint_layout(
     scheduler = build_lr_scheduler(optimizer, settings, 10)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
-        path = checkpoint.save_checkpoint(save_dir, rollout_id, state, scheduler, role="actor", data_state=data_state)
+        path = checkpoint.save_checkpoint(save_dir, rollout_id, state, scheduler, role=role, data_state=data_state)
     if loss_type is not None:
         write_run_record(
             save_dir, run_record(argparse.Namespace(loss_type=loss_type, **vars(settings)), rollout_id, None)

@@ -396,8 +396,9 @@ def _load_another_loss_type(w, d):
 
 def _load_a_dmd2_layout_without_record(w, d):
     checkpoint_layout(d / "ckpt", 0)
-    checkpoint_layout(d / "ckpt_critic", 0, commit=False)
-    return sft(w, d, "--load", str(d / "ckpt")), f"--load {d / 'ckpt'} has a DMD2 critic checkpoint beside it"
+    checkpoint_layout(d / "ckpt_critic", 0, commit=False, role="critic")
+    message = f"--load {d / 'ckpt'} has a critic group's checkpoint beside it ({d / 'ckpt_critic' / 'rollout_0'}) that"
+    return sft(w, d, "--load", str(d / "ckpt")), message
 
 
 def _output_dir_inside_the_pipeline(w, d):
