@@ -35,6 +35,7 @@ estimates' error. Not counted: the rollout engine's text encoder (use the prompt
 """
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ __all__ = [
     "GroupSpec",
     "LoraSpec",
     "PlanSetting",
+    "fit_line",
     "format_bytes",
     "gpu_memory_bytes",
     "log_memory_plan",
@@ -170,6 +172,34 @@ def _zero3_gathered(model: nn.Module, include: Callable[[nn.Parameter], bool]) -
     return min(total, root + 2 * largest), min(total, root + largest)
 
 
+def _gathered(
+    model: nn.Module, teacher: nn.Module | None, trainable_ids: set[int], extra_numel: int, setting: PlanSetting
+) -> tuple[int, int]:
+    """``(train window, inference phase)`` bytes a rank materialises beside its shards (the module docstring).
+
+    Args:
+        model: the group's denoiser (its trainables are ``trainable_ids``; the rest is a LoRA base).
+        teacher: a separate frozen teacher, or None.
+        extra_numel: elements of the trainable modules built beside the denoiser (each its own FSDP unit).
+    """
+    c = setting.compute_dtype.itemsize
+    # Gradients of a window: float32 unsharded (FSDP2 accumulates in the reduce dtype) + the micro-batch's own.
+    grad_bytes = MASTER_BYTES + (c if c != MASTER_BYTES else 0)
+    trainable = extra_numel + sum(p.numel() for p in model.parameters() if id(p) in trainable_ids)
+    if setting.dp_size == 1:
+        # Unsharded: autocast caches a compute-dtype copy of each float32 trainable until the backward.
+        return (trainable * c if c != MASTER_BYTES else 0), 0
+    teacher_numel = sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0
+    if not setting.reshard_every_microbatch:
+        whole = sum(p.numel() for p in model.parameters()) + extra_numel
+        return whole * c + trainable * grad_bytes, (whole + teacher_numel) * c
+    trainable_params, trainable_grads = _zero3_gathered(model, lambda p: id(p) in trainable_ids)
+    base_params, _ = _zero3_gathered(model, lambda p: id(p) not in trainable_ids)
+    teacher_params = _zero3_gathered(teacher, lambda p: True)[0] if teacher is not None else 0
+    units = extra_numel + trainable_params + base_params
+    return units * c + (extra_numel + trainable_grads) * grad_bytes, (units + teacher_params) * c
+
+
 def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     """The bytes DP rank ``setting.rank`` of group ``spec`` holds, from its configs on the meta device.
 
@@ -178,7 +208,6 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
             class without an activation layout (:func:`miles.models.memory.activation_estimate`).
     """
     dp, rank = setting.dp_size, setting.rank
-    c = setting.compute_dtype.itemsize
     model = meta_denoiser(spec.config)
     if spec.lora is not None:
         add_lora_adapter(model, spec.role, spec.lora.rank, target_modules=spec.lora.target_modules)
@@ -198,41 +227,26 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     frozen_shapes = [tuple(p.shape) for p in frozen]
 
     params = shard_bytes(trainable_shapes, dp, rank, MASTER_BYTES)
-    t_full = sum(torch.Size(shape).numel() for shape in trainable_shapes)
-    b_full = sum(p.numel() for p in base)
-    teacher_full = sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0
-    grad_extra = MASTER_BYTES + (c if c != MASTER_BYTES else 0)
-    if dp == 1:
-        # Unsharded: autocast caches a compute-dtype copy of each float32 trainable until the backward.
-        gathered_train = t_full * c if c != MASTER_BYTES else 0
-        gathered_inference = 0
-    elif not setting.reshard_every_microbatch:
-        gathered_train = (t_full + b_full) * c + t_full * grad_extra
-        gathered_inference = (t_full + b_full + teacher_full) * c
-    else:
-        extra_numel = t_full - sum(p.numel() for p in trainable)  # separate units (the GAN head), gathered whole
-        trainable_params, trainable_grads = _zero3_gathered(model, lambda p: id(p) in trainable_ids)
-        base_params, _ = _zero3_gathered(model, lambda p: id(p) not in trainable_ids)
-        teacher_params = _zero3_gathered(teacher, lambda p: True)[0] if teacher is not None else 0
-        model_params = extra_numel + trainable_params + base_params
-        gathered_train = model_params * c + (extra_numel + trainable_grads) * grad_extra
-        gathered_inference = (model_params + teacher_params) * c
+    t_full = sum(math.prod(shape) for shape in trainable_shapes)
+    gathered_train, gathered_inference = _gathered(
+        model, teacher, trainable_ids, t_full - sum(p.numel() for p in trainable), setting
+    )
     activations = activation_estimate(
         full_config(model),
         setting.image_tokens,
         setting.text_tokens,
         spec.batch,
-        c,
+        setting.compute_dtype.itemsize,
         setting.gradient_checkpointing,
     )
     return GroupMemory(
         role=spec.role,
         trainable_numel=t_full,
-        frozen_numel=b_full + teacher_full,
+        frozen_numel=sum(p.numel() for p in frozen),
         parameters=params,
         gradients=params,
         optimizer=ADAM_MOMENTS * params + ADAM_STEP_BYTES * len(trainable_shapes),
-        frozen=shard_bytes(frozen_shapes, dp, rank, c),
+        frozen=shard_bytes(frozen_shapes, dp, rank, setting.compute_dtype.itemsize),
         ema=params if spec.ema else 0,
         gathered_train=gathered_train,
         gathered_inference=gathered_inference,
@@ -346,21 +360,26 @@ def memory_table(setting: PlanSetting, plans: list[GroupMemory], gpu_bytes: floa
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     lines.append("  * estimates (gathered models and gradients of a phase, activations); the rest is exact")
     if gpu_bytes is not None:
-        worst = max(plans, key=lambda plan: plan.peak)
-        verdict = "fits" if worst.fits(gpu_bytes) else "does NOT fit"
-        lines.append(
-            f"GPU of {format_bytes(gpu_bytes)}: {verdict} (largest peak {format_bytes(worst.peak)}, {worst.role} "
-            f"group; the plan keeps {HEADROOM:.0%} free: {format_bytes((1 - HEADROOM) * gpu_bytes)})"
-        )
+        lines.append(fit_line(plans, gpu_bytes))
     return lines
+
+
+def fit_line(plans: list[GroupMemory], gpu_bytes: float) -> str:
+    """Whether every group fits a GPU of ``gpu_bytes``, on one line naming the largest peak."""
+    worst = max(plans, key=lambda plan: plan.peak)
+    verdict = "fits" if worst.fits(gpu_bytes) else "does NOT fit"
+    return (
+        f"GPU of {format_bytes(gpu_bytes)}: {verdict} (largest peak {format_bytes(worst.peak)}, {worst.role} "
+        f"group; the plan keeps {HEADROOM:.0%} free: {format_bytes((1 - HEADROOM) * gpu_bytes)})"
+    )
 
 
 def log_memory_plan(args) -> None:
     """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
     try:
         setting, plans = plan_run(args)
-    except (OSError, ValueError) as exc:
-        logger.warning("memory plan: not available (%s)", exc)
+    except (OSError, KeyError, ValueError) as exc:
+        logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
         return
     for line in memory_table(setting, plans, gpu_memory_bytes(args)):
         logger.info("%s", line)
