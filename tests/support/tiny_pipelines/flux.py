@@ -19,7 +19,7 @@ Shapes: pixels ``(3, 32, 32)`` → latents ``(4, 4, 4)`` → 4 packed tokens of 
 
 from pathlib import Path
 
-from tests.support.tiny_pipelines.common import seeded, write_pipeline
+from tests.support.tiny_pipelines.common import image_vae_kwargs, seeded, write_pipeline
 from tests.support.tiny_pipelines.vocab import clip_tokenizer, t5_tokenizer
 
 __all__ = ["LATENT_CHANNELS", "PIXEL_SIZE", "SCHEDULER_CONFIGS", "VAE_FACTORS", "write_tiny_flux"]
@@ -116,16 +116,8 @@ def write_tiny_flux(folder: str | Path, seed: int = 0, variant: str = "dev") -> 
                 axes_dims_rope=(4, 6, 6),
             ),
             vae=AutoencoderKL(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4,
-                block_out_channels=(8, 8, 8, 8),
-                layers_per_block=1,
-                latent_channels=LATENT_CHANNELS,
-                norm_num_groups=4,
-                sample_size=PIXEL_SIZE,
-                use_quant_conv=False,
+                **image_vae_kwargs(LATENT_CHANNELS, PIXEL_SIZE),
+                use_quant_conv=False,  # as in FLUX.1's VAE config
                 use_post_quant_conv=False,
                 **VAE_FACTORS,
             ),

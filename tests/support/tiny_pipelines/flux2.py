@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.tiny_pipelines.common import seeded, seeded_values, write_pipeline
+from tests.support.tiny_pipelines.common import image_vae_kwargs, seeded, seeded_values, write_pipeline
 from tests.support.tiny_pipelines.vocab import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
 
 __all__ = ["LATENT_CHANNELS", "PIXEL_SIZE", "SCHEDULER_CONFIG", "TEXT_HIDDEN", "write_tiny_flux2_klein"]
@@ -73,19 +73,7 @@ def write_tiny_flux2_klein(folder: str | Path, seed: int = 0, distilled: bool = 
     )
     patched = LATENT_CHANNELS * 4
     with seeded(seed):
-        vae = AutoencoderKLFlux2(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            latent_channels=LATENT_CHANNELS,
-            norm_num_groups=4,
-            sample_size=PIXEL_SIZE,
-            use_quant_conv=True,
-            use_post_quant_conv=True,
-        )
+        vae = AutoencoderKLFlux2(**image_vae_kwargs(LATENT_CHANNELS, PIXEL_SIZE))
         vae.bn.running_mean.copy_(torch.tensor(seeded_values(seed, patched, -0.5, 0.5)))
         vae.bn.running_var.copy_(torch.tensor(seeded_values(seed + 1, patched, 0.5, 4.0)))
         pipe = Flux2KleinPipeline(

@@ -17,7 +17,7 @@ Shapes: pixels ``(3, 32, 32)`` → latents ``(4, 1, 4, 4)`` (the VAE is 3-D: a f
 
 from pathlib import Path
 
-from tests.support.tiny_pipelines.common import seeded, seeded_values, write_pipeline
+from tests.support.tiny_pipelines.common import seeded, video_vae_kwargs, write_pipeline
 from tests.support.tiny_pipelines.vocab import qwen_tokenizer
 
 __all__ = ["LATENT_CHANNELS", "PIXEL_SIZE", "SCHEDULER_CONFIG", "TEXT_HIDDEN", "write_tiny_qwen_image"]
@@ -99,15 +99,7 @@ def write_tiny_qwen_image(folder: str | Path, seed: int = 0) -> Path:
                 guidance_embeds=False,
                 axes_dims_rope=(8, 4, 4),
             ),
-            vae=AutoencoderKLQwenImage(
-                base_dim=8,
-                z_dim=LATENT_CHANNELS,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                latents_mean=seeded_values(seed, LATENT_CHANNELS, -1.0, 1.0),
-                latents_std=seeded_values(seed + 1, LATENT_CHANNELS, 1.0, 3.0),
-            ),
+            vae=AutoencoderKLQwenImage(**video_vae_kwargs(LATENT_CHANNELS, seed)),
             text_encoder=Qwen2_5_VLForConditionalGeneration(text_config),
             tokenizer=tokenizer,
             scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),

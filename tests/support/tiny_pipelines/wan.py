@@ -17,7 +17,7 @@ Shapes: video ``(3, 5, 32, 32)`` (C, F, H, W) → latents ``(4, 2, 4, 4)`` → 2
 
 from pathlib import Path
 
-from tests.support.tiny_pipelines.common import seeded, seeded_values, write_pipeline
+from tests.support.tiny_pipelines.common import seeded, video_vae_kwargs, write_pipeline
 from tests.support.tiny_pipelines.vocab import t5_tokenizer
 
 __all__ = ["LATENT_CHANNELS", "NUM_FRAMES", "PIXEL_SIZE", "SCHEDULER_CONFIG", "TEXT_HIDDEN", "write_tiny_wan"]
@@ -80,15 +80,7 @@ def write_tiny_wan(folder: str | Path, seed: int = 0) -> Path:
                 qk_norm="rms_norm_across_heads",
                 rope_max_seq_len=32,
             ),
-            vae=AutoencoderKLWan(
-                base_dim=8,
-                z_dim=LATENT_CHANNELS,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                latents_mean=seeded_values(seed, LATENT_CHANNELS, -1.0, 1.0),
-                latents_std=seeded_values(seed + 1, LATENT_CHANNELS, 1.0, 3.0),
-            ),
+            vae=AutoencoderKLWan(**video_vae_kwargs(LATENT_CHANNELS, seed)),
             text_encoder=UMT5EncoderModel(umt5),
             tokenizer=tokenizer,
             scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG),
