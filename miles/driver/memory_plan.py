@@ -12,7 +12,10 @@ Exact, counted from the parameters' shapes (a run logs the first four as ``memor
 * **optimizer**: AdamW's two float32 moments per trainable element, sharded, and a 4-byte step count per tensor;
 * **frozen**: the teacher in the compute dtype, sharded; with LoRA the group holds one base, the model its
   adapters sit on (the teacher is that base with the adapters disabled), and it is counted here;
-* **EMA**: float32 shadows of the trainables' shards (``--ema-decay``; not among the logged figures).
+* **EMA**: float32 shadows of the trainables' shards (``--ema-decay``; not among the logged figures);
+* **buffers**: the models' buffers (SD3's position-embedding table: 0.23B elements in SD3.5-Medium), which FSDP
+  does not shard: every rank holds them whole, in float32 for a full-weight trainable model and in the compute dtype
+  for a frozen one or a LoRA base (not among the logged figures).
 
 Estimated, per phase:
 
@@ -130,6 +133,7 @@ class GroupMemory:
     optimizer: int
     frozen: int
     ema: int
+    buffers: int
     gathered_train: int
     gathered_inference: int
     activations: ActivationEstimate
@@ -137,7 +141,7 @@ class GroupMemory:
     @property
     def resting(self) -> int:
         """Bytes held between phases (moved to the host while the group sleeps)."""
-        return self.parameters + self.optimizer + self.frozen + self.ema
+        return self.parameters + self.optimizer + self.frozen + self.ema + self.buffers
 
     @property
     def train_peak(self) -> int:
@@ -225,6 +229,12 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     trainable_shapes += [tuple(p.shape) for module in extra_modules.values() for p in module.parameters()]
     frozen = base + (list(teacher.parameters()) if teacher is not None else [])
     frozen_shapes = [tuple(p.shape) for p in frozen]
+    c = setting.compute_dtype.itemsize
+    # Buffers follow their module's load dtype (float32 for a trainable model, the compute dtype for a frozen one).
+    buffers = sum(b.numel() for b in model.buffers()) * (c if spec.lora is not None else MASTER_BYTES)
+    buffers += sum(b.numel() for module in extra_modules.values() for b in module.buffers()) * MASTER_BYTES
+    if teacher is not None:
+        buffers += sum(b.numel() for b in teacher.buffers()) * c
 
     params = shard_bytes(trainable_shapes, dp, rank, MASTER_BYTES)
     t_full = sum(math.prod(shape) for shape in trainable_shapes)
@@ -236,7 +246,7 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
         setting.image_tokens,
         setting.text_tokens,
         spec.batch,
-        setting.compute_dtype.itemsize,
+        c,
         setting.gradient_checkpointing,
     )
     return GroupMemory(
@@ -246,8 +256,9 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
         parameters=params,
         gradients=params,
         optimizer=ADAM_MOMENTS * params + ADAM_STEP_BYTES * len(trainable_shapes),
-        frozen=shard_bytes(frozen_shapes, dp, rank, setting.compute_dtype.itemsize),
+        frozen=shard_bytes(frozen_shapes, dp, rank, c),
         ema=params if spec.ema else 0,
+        buffers=buffers,
         gathered_train=gathered_train,
         gathered_inference=gathered_inference,
         activations=activations,
@@ -348,12 +359,12 @@ def memory_table(setting: PlanSetting, plans: list[GroupMemory], gpu_bytes: floa
         f"{'on' if setting.gradient_checkpointing else 'off'}, {mode}"
     ]
     header = ["group", "# trainable", "# frozen", "parameters", "gradients", "optimizer", "frozen", "EMA",
-              "gathered*", "activations*", "peak*"]  # fmt: skip
+              "buffers", "gathered*", "activations*", "peak*"]  # fmt: skip
     rows = [
         [plan.role, format_count(plan.trainable_numel), format_count(plan.frozen_numel),
          *(format_bytes(n) for n in (plan.parameters, plan.gradients, plan.optimizer, plan.frozen, plan.ema,
-                                     max(plan.gathered_train, plan.gathered_inference), plan.activations.peak,
-                                     plan.peak))]
+                                     plan.buffers, max(plan.gathered_train, plan.gathered_inference),
+                                     plan.activations.peak, plan.peak))]
         for plan in plans
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

@@ -48,6 +48,8 @@ def test_full_weights_count_the_real_modules_bytes_exactly():
     assert plan.frozen == _nbytes(teacher.parameters())  # the teacher in the compute dtype
     assert plan.optimizer == _adamw_state_bytes(critic)  # two moments and a step count per tensor
     assert plan.trainable_numel == plan.frozen_numel == sum(p.numel() for p in critic.parameters())
+    # the position-embedding buffer, whole on every rank: float32 in the critic, bf16 in the teacher
+    assert plan.buffers == _nbytes(critic.buffers()) + _nbytes(teacher.buffers()) > 0
 
 
 def test_a_lora_group_holds_one_base_in_the_compute_dtype_and_trains_only_its_adapter():
@@ -89,10 +91,10 @@ def test_zero3_gathers_less_than_the_whole_model_and_checkpointing_keeps_fewer_a
 
 
 def test_a_rank_fits_when_its_peak_leaves_the_headroom_free():
-    plan = GroupMemory("actor", 1, 0, parameters=300, gradients=300, optimizer=600, frozen=100, ema=0,
+    plan = GroupMemory("actor", 1, 0, parameters=300, gradients=300, optimizer=600, frozen=100, ema=0, buffers=10,
                        gathered_train=200, gathered_inference=50,
                        activations=ActivationEstimate(400, 100))  # fmt: skip
-    assert plan.train_peak == 300 + 300 + 600 + 100 + 200 + 500 == plan.peak
+    assert plan.train_peak == 300 + 300 + 600 + 100 + 10 + 200 + 500 == plan.peak
     assert plan.fits(plan.peak / (1 - HEADROOM))
     assert not plan.fits(plan.peak / (1 - HEADROOM) - 1)
 
