@@ -498,6 +498,8 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--save-interval needs --save and must be >= 1")
     if args.overwrite_save and not args.save:
         reject("--overwrite-save needs --save (the directory to start afresh in)")
+    if args.gpu_memory_gb is not None and not args.dry_run:
+        reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
         from miles.utils.trainer_config import compute_trainer_args

@@ -103,7 +103,8 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
     pipeline = make_pipeline(tmp_path / "digits")
     argv = ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
             "--prompt-data", str(tmp_path / "p.jsonl"), "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4",
-            "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "1", "--gpu-memory-gb", "0.001"]  # fmt: skip
+            "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "1",
+            "--dry-run", "--gpu-memory-gb", "0.001"]  # fmt: skip
     (tmp_path / "p.jsonl").write_text('{"prompt": "a digit 3"}\n')
     from miles.driver.arguments import parse_args
     from miles.driver.memory_plan import log_memory_plan
