@@ -389,7 +389,8 @@ def log_memory_plan(args) -> None:
     """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
     try:
         setting, plans = plan_run(args)
-    except (OSError, KeyError, ValueError) as exc:
+    # A family without text_tokens or a config the planner has no layout for must not fail the dry run's checks.
+    except (AttributeError, OSError, KeyError, ValueError) as exc:
         logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
         return
     for line in memory_table(setting, plans, gpu_memory_bytes(args)):

@@ -117,3 +117,9 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
     assert "GPU of 1.02 MiB: does NOT fit" in text
     _, plans = plan_run(parse_args(argv))
     assert [plan.role for plan in plans] == ["critic", "actor"] and plans[1].frozen == 0
+    # A plan that cannot be made (here: no pipeline there) is one warning; the dry run's other checks go on.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="miles.driver.memory_plan"):
+        log_memory_plan(parse_args([*argv, "--hf-checkpoint", str(tmp_path / "nope")]))
+    assert len(caplog.records) == 1
+    assert caplog.records[0].getMessage().startswith("memory plan: not available (FileNotFoundError: ")
