@@ -68,7 +68,15 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Ray cluster to join (default: RAY_ADDRESS if set, else a new local cluster of this run's own).",
     )
-    group.add_argument("--dry-run", action="store_true", help="Validate, print groups, placement and schedule, exit.")
+    group.add_argument(
+        "--dry-run", action="store_true", help="Validate, print groups, placement, schedule and memory plan, exit."
+    )
+    group.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="GiB per GPU that --dry-run checks each rank's planned peak against (default: the CUDA device's).",
+    )
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -490,6 +498,8 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--save-interval needs --save and must be >= 1")
     if args.overwrite_save and not args.save:
         reject("--overwrite-save needs --save (the directory to start afresh in)")
+    if args.gpu_memory_gb is not None and not args.dry_run:
+        reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
         from miles.utils.trainer_config import compute_trainer_args
@@ -594,6 +604,7 @@ NUMBER_RULES: dict[str, dict] = {
     "sft_uncond_prob": {"low": 0, "high": 1, "high_open": True},
     "rollout_num_gpus": {"low": 0},
     "num_cpus_per_rank": {"low": 1},
+    "gpu_memory_gb": {"low": 0, "low_open": True, "hint": "(e.g. 80)"},
     "global_batch_size": {"low": 1},
     "save_interval": {"low": 1},
     "save_keep_last": {"low": 1},

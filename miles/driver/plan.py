@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from miles.driver.memory_plan import log_memory_plan
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
 from miles.utils.trainer_config import compute_trainer_args
@@ -52,7 +53,8 @@ def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
 
 
 def log_plan(args) -> None:
-    """Log the trainer groups, their placement, the work per rank and the schedule, without starting Ray."""
+    """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
+    starting Ray."""
     from miles.backends.fsdp_utils.checkpoint import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
@@ -113,3 +115,4 @@ def log_plan(args) -> None:
         saves,
         args.save_hf,
     )
+    log_memory_plan(args)

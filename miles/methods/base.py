@@ -105,3 +105,7 @@ class Method:
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         """The forwards a group's train-output hook runs per rollout on one rank (``--dry-run``)."""
         return []
+
+    def train_forward_batch(self, group_args: argparse.Namespace) -> int:
+        """Samples in one trainer forward of a group's micro-batch (the memory planner's activation batch)."""
+        return group_args.micro_batch_size

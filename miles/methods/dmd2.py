@@ -317,6 +317,13 @@ class DMD2Method(Method):
         ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
         return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, eval_records[:DEBUG_SAMPLES], rollout_id)}
 
+    def train_forward_batch(self, group_args: argparse.Namespace) -> int:
+        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair."""
+        gan_critic = (
+            group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
+        )
+        return (3 if gan_critic else 1) * group_args.micro_batch_size
+
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:
             return []

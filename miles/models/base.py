@@ -58,6 +58,10 @@ class ModelFamily(Protocol):
         """The denoiser's latent shape ``(C, H, W)``."""
         ...
 
+    def text_tokens(self, path: str | Path) -> int:
+        """Text tokens per prompt in the denoiser's cond (the memory planner's sequence length)."""
+        ...
+
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """The pixel image shape ``(H, W, C)`` whose ``images_to_latents`` is a latent of ``latent_shape``."""
         ...

@@ -128,6 +128,10 @@ class DigitsFamily(SD3Family):
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
         return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)))
 
+    def text_tokens(self, path: str | Path) -> int:
+        """MiniLM's token states per prompt, padded to ``max_length`` (``digits.json``)."""
+        return int(self.text_config(path).get("max_length", 16))
+
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(H, W, C)`` of the pixel latents (no VAE): 8 × 8 × 1."""
         channels, height, width = self.latent_shape(path)

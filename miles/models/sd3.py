@@ -18,6 +18,10 @@ __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocit
 
 logger = logging.getLogger(__name__)
 
+# T5 tokens per prompt: StableDiffusion3Pipeline's default max_sequence_length; CLIP adds its 77.
+T5_TOKENS = 256
+CLIP_TOKENS = 77
+
 
 class SD3PromptEncoder:
     """The text half of an SD3 pipeline, run through ``StableDiffusion3Pipeline.encode_prompt``.
@@ -151,6 +155,10 @@ class SD3Family:
 
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         return sd3_latent_shape(path)
+
+    def text_tokens(self, path: str | Path) -> int:
+        """Text tokens per prompt the denoiser attends to: 77 CLIP + 256 T5 (T5 padded to its length)."""
+        return CLIP_TOKENS + T5_TOKENS
 
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(S·f, S·f, C)``: the transformer's ``sample_size`` S times the VAE's downscale factor ``f =

@@ -12,6 +12,7 @@ import torch
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
+from tests.support.memory import assert_plan_agrees
 from tests.support.trainer import make_pipeline
 
 GAN_ACTOR = ["train/dmd2_gan_grad_abs_mean", "train/dmd2_gan_dm_grad_ratio"]
@@ -49,7 +50,7 @@ def run(tmp_path_factory, ray_cluster):
     (root / "real.jsonl").write_text("".join(json.dumps(record) + "\n" for record in real))
     save, export, out = root / "ckpt", root / "student", root / "full"
     run_main(_argv(root, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
-    return {"root": root, "save": save, "export": export, "records": read_metrics(out)}
+    return {"root": root, "save": save, "export": export, "records": read_metrics(out), "argv": _argv(root, out)}
 
 
 def _train_records(records, key):
@@ -69,6 +70,12 @@ def test_the_critic_trains_its_head_and_the_student_takes_the_gan_gradient(run):
         assert all(math.isfinite(record[key]) and record[key] > 0 for key in GAN_ACTOR)
     memory = [r for r in records if "memory/critic-parameters_bytes" in r]
     assert memory and memory[-1]["memory/critic-parameters_bytes"] > memory[-1]["memory/actor-parameters_bytes"]
+
+
+def test_the_memory_plan_matches_the_bytes_each_group_logged(run):
+    # 2 ranks, the GAN head in the critic group, the student's EMA (not among the logged figures): within 5%.
+    figures = assert_plan_agrees(run["argv"], run["records"])
+    assert len(figures) == 8 and figures["critic-parameters"][1] > figures["actor-parameters"][1]
 
 
 def test_the_head_and_the_ema_are_checkpointed_and_the_export_differs_from_the_live_weights(run):

@@ -312,6 +312,10 @@ COMMANDS: dict[str, Callable] = {
     "sampling-shift-zero": flag_case("--diffusion-flow-shift", "0", message="--diffusion-flow-shift must be > 0"),
     "guidance-inf": flag_case("--diffusion-guidance-scale", "inf", message="--diffusion-guidance-scale must be a fi"),
     "ema-decay-one": flag_case("--ema-decay", "1", message="--ema-decay must be in (0, 1)"),
+    "gpu-memory-zero": flag_case(
+        "--dry-run", "--gpu-memory-gb", "0", message="--gpu-memory-gb must be > 0 (e.g. 80), got 0.0"
+    ),
+    "gpu-memory-without-dry-run": flag_case("--gpu-memory-gb", "80", message="--gpu-memory-gb is read by --dry-run"),
     "max-skipped-zero": flag_case("--max-skipped-steps", "0", message="--max-skipped-steps must be >= 1, got 0"),
     "keep-last-zero": flag_case(
         "--save", "{d}/ckpt", "--save-keep-last", "0", message="--save-keep-last must be >= 1"
