@@ -175,9 +175,9 @@ def render_dmd2_debug_grid(
         ``(spacing + len(columns) · (cell_w + spacing)) × (spacing + N · (cell_h + spacing))`` pixels.
 
     Raises:
-        ValueError: naming the column, for a tensor that is not float 4-D or 5-D, a column whose N differs from the first
-            column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0, or a
-            ``scale`` below 1 / negative ``spacing``.
+        ValueError: naming the column, for a tensor that is not float 4-D or 5-D, a column whose N differs from the
+            first column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0,
+            or a ``scale`` below 1 / negative ``spacing``.
     """
     if (scale is not None and scale < 1) or spacing < 0:
         raise ValueError(f"scale={scale} must be >= 1 (or None) and spacing={spacing} >= 0")

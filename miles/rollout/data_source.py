@@ -258,8 +258,8 @@ def load_record_latent(
     expected_shape: tuple[int, ...] | None = None,
     where: str | None = None,
 ) -> torch.Tensor:
-    """A data record's clean latent, float32 of the family's latent shape: its ``--latent-key`` file when it has one (already in
-    latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
+    """A data record's clean latent, float32 of the family's latent shape: its ``--latent-key`` file when it has
+    one (already in latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
     ``--image-key`` image turned into a latent by the family.
 
     Raises:

@@ -90,8 +90,10 @@ def test_the_export_is_the_trained_wan_transformer(run):
 
 def test_the_eval_and_debug_grids_draw_each_clip_as_a_strip_of_its_frames(run):
     eval_dir = run["out"] / "eval"
-    debug = np.asarray(Image.open(eval_dir / "dmd2_debug_2.png"))
+    # 4 eval clips, each 2 frames of 8×8 side by side (8×16), tiled at scale 48 // 16 = 3 with 4 px spacing and
+    # drawn from the raw latents' first 3 channels (the family has no codec).
     grid = np.asarray(Image.open(eval_dir / "rollout_2.png"))
-    # 2 frames of 8×8 side by side: every cell is twice as wide as it is high.
-    assert debug.shape[1] > debug.shape[0] and grid.ndim == 3
-    assert grid.shape[0] < grid.shape[1]
+    assert grid.shape == (4 + 1 * (3 * 8 + 4), 4 + 4 * (3 * 16 + 4), 3)
+    # 6 columns (x_i, the three x0, g, g_gan) of 16-pixel-wide strips at scale 64 // 16 = 4, one row per clip.
+    debug = np.asarray(Image.open(eval_dir / "dmd2_debug_2.png"))
+    assert debug.shape[1] > 6 * 4 * 16 and 4 * 4 * 8 < debug.shape[0] < 4 * 4 * 16

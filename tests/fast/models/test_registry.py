@@ -205,6 +205,9 @@ def test_decode_latents_uses_the_codec_or_draws_the_raw_latent():
 
 
 def test_importing_the_models_package_loads_no_family_module_and_no_diffusers():
-    code = "import sys, miles.models; print(sorted(m for m in sys.modules if m.startswith(('diffusers', 'miles.models.'))))"
+    code = (
+        "import sys, miles.models\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('diffusers', 'miles.models.'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert eval(out) == ["miles.models.base", "miles.models.capabilities", "miles.models.registry"]

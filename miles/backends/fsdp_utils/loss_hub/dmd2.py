@@ -188,7 +188,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
     score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
-    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are resharded afterwards, also on error.
+    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are
+    resharded afterwards, also on error.
 
     Args:
         ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``

@@ -5,11 +5,12 @@ The discriminator is the critic itself plus a small head: the critic transformer
 hooks read its image-token hidden states after the chosen blocks (``--dmd2-gan-feature-blocks``, default the middle
 one; several blocks give several heads, FastGen-style, whose logits are averaged), the tokens are laid back on
 their patch grid ``(B, D, h, w)`` and strided convolutions with GroupNorm and SiLU reduce each grid to one logit
-per image. The family supplies the tokens, their grid and their width (:class:`miles.models.capabilities.
-TokenFeatures`). A video's grid ``(f, h, w)`` is folded into f frames of ``(h, w)`` that the same 2-D head judges one
-by one, and the frames' logits are averaged: the tokens of a video DiT already attend across frames, so a frame's
-features carry the motion around it, and an image and a video head are one design. Diffusion-GAN: real and fake images are noised at a σ drawn like the DMD2 scoring σ (the
-``--fsdp-flow-shift`` grid inside 2–98% of the timesteps) before the critic sees them.
+per image. The family supplies the tokens, their grid and their width (``TokenFeatures`` of
+:mod:`miles.models.capabilities`). A video's grid ``(f, h, w)`` is folded into f frames of ``(h, w)`` that the same
+2-D head judges one by one, and the frames' logits are averaged: the tokens of a video DiT already attend across
+frames, so a frame's features carry the motion around it, and an image and a video head are one design.
+Diffusion-GAN: real and fake images are noised at a σ drawn like the DMD2 scoring σ (the ``--fsdp-flow-shift`` grid
+inside 2–98% of the timesteps) before the critic sees them.
 
 Losses (non-saturating, tianweiy/DMD2): the critic group minimises ``softplus(D(fake)) + softplus(−D(real))``
 (``guidance_cls_loss``), weighted by ``--dmd2-gan-disc-weight``, beside its flow-matching loss; the generator's is
@@ -96,7 +97,7 @@ class DiscriminatorHead(nn.Module):
         channels: the convolutions' width (default ``min(D, 256)``).
     """
 
-    def __init__(self, hidden_size: int, grid: tuple[int, int], num_features: int = 1, channels: int | None = None):
+    def __init__(self, hidden_size: int, grid: tuple[int, ...], num_features: int = 1, channels: int | None = None):
         super().__init__()
         self.grid = tuple(grid)
         if len(self.grid) not in (2, 3):
