@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from miles.utils.sampling import guided_velocity as true_cfg_velocity
 
@@ -35,7 +35,9 @@ __all__ = [
     "supports",
 ]
 
-Predict = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+Cond = dict[str, Tensor]
+# predict(latents, timestep, cond) -> v: a family's predict_velocity bound to one denoiser
+Predict = Callable[[Tensor, Tensor, Cond], Tensor]
 
 
 class TrueCFG(Protocol):
@@ -45,12 +47,12 @@ class TrueCFG(Protocol):
     def guided_velocity(
         self,
         predict: Predict,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: dict[str, torch.Tensor],
-        neg_cond: dict[str, torch.Tensor] | None,
+        latents: Tensor,
+        timestep: Tensor,
+        cond: Cond,
+        neg_cond: Cond | None,
         guidance_scale: float,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`.
 
         Raises:
@@ -64,22 +66,22 @@ class EmbeddedGuidance(Protocol):
     ``guidance``) and runs once; the negative prompt is not used."""
 
     @abstractmethod
-    def guidance_cond(self, guidance_scale: float, batch: int) -> dict[str, torch.Tensor]:
+    def guidance_cond(self, guidance_scale: float, batch: int) -> Cond:
         """The cond kwargs that carry ``w`` for ``batch`` rows, e.g. ``{"guidance": torch.full((batch,), w)}``."""
 
+    # The signature of TrueCFG.guided_velocity, repeated on purpose: the samplers call either form alike.
     def guided_velocity(
         self,
         predict: Predict,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        cond: dict[str, torch.Tensor],
-        neg_cond: dict[str, torch.Tensor] | None,
+        latents: Tensor,
+        timestep: Tensor,
+        cond: Cond,
+        neg_cond: Cond | None,
         guidance_scale: float,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``."""
-        extra = {
-            key: value.to(latents.device) for key, value in self.guidance_cond(guidance_scale, len(latents)).items()
-        }
+        extra = self.guidance_cond(guidance_scale, len(latents))
+        extra = {key: value.to(latents.device) for key, value in extra.items()}
         return predict(latents, timestep, {**cond, **extra}).float()
 
 
