@@ -94,8 +94,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--diffusion-model-family",
         type=str,
         default=None,
-        choices=("sd3", "digits"),
-        help="Model family; default reads model_index.json of --hf-checkpoint.",
+        help="Model family: a registered name (sd3, digits) or a dotted path to a family class "
+        "(my_pkg.family.MyFamily); default: the registered family of --hf-checkpoint's model_index.json.",
     )
     group.add_argument(
         "--train-dtype",

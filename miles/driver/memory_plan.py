@@ -390,7 +390,7 @@ def log_memory_plan(args) -> None:
     try:
         setting, plans = plan_run(args)
     # A family without text_tokens or a config the planner has no layout for must not fail the dry run's checks.
-    except (AttributeError, OSError, KeyError, ValueError) as exc:
+    except (AttributeError, NotImplementedError, OSError, KeyError, ValueError) as exc:
         logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
         return
     for line in memory_table(setting, plans, gpu_memory_bytes(args)):

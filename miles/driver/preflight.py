@@ -126,7 +126,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     seconds on one line instead of inside a Ray worker (or, for ``--eval-function-path``, after the training).
 
     - every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, ``--eval-function-path``) imports
-      and names a callable;
+      and names a callable; ``--diffusion-model-family`` is a registered name or imports a complete family class;
     - ``--load`` holds a complete newest checkpoint;
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
       ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
@@ -149,6 +149,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     from miles.utils.trainer_config import compute_trainer_args
 
     group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
+    if args.diffusion_model_family:
+        from miles.models import family_class
+
+        try:
+            family_class(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
     for name in HOOK_FLAGS:
         if getattr(args, name, None) == "":
             # An empty value would otherwise fall back to nothing, or to the method's hook, silently.

@@ -74,7 +74,7 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
     import ray
 
     from miles.eval.debug_grid import save_dmd2_debug_grid
-    from miles.models import get_model_family
+    from miles.models import PixelCodec, get_model_family, supports
     from miles.ray.actor_group import split_shard
     from miles.rollout.data_source import make_prompt_shard
     from miles.rollout.engine import data_base_dir
@@ -96,7 +96,8 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
 
     student = torch.stack([pair.x0 for pair in pairs]).float()
     real, fake = column("x0_real"), column("x0_fake")
-    normalizer = (student - real).abs().mean(dim=(1, 2, 3), keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
+    dims = tuple(range(1, student.ndim))  # every latent axis: (C, H, W), or (C, F, H, W) for video
+    normalizer = (student - real).abs().mean(dim=dims, keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
     columns = {
         "x_i": torch.stack([pair.latent for pair in pairs]).float(),
         "x0 student": student,
@@ -108,7 +109,8 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
         columns["g_gan"] = column("g_gan")
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
-    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=family.latents_to_images)
+    decode = family.latents_to_images if supports(family, PixelCodec) else None  # else raw latents as pixels
+    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=decode)
 
 
 def _int_list(text: str) -> list[int]:

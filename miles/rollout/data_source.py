@@ -3,7 +3,9 @@
 Each line is a JSON object with the prompt under ``--input-key`` and any other fields (``{"prompt": "a handwritten
 digit 7", "label": 7, "image": [[0, ...], ...]}``). SFT records carry a clean image under ``--image-key``: a nested
 list of ints 0..255 of shape ``(H, W)`` or ``(H, W, C)``, or a path (absolute, or relative to the JSONL file) to a
-``.npy`` or ``.png`` file; ``load_image_latent`` turns it into the family's latent.
+``.npy`` or ``.png`` file; ``load_image_latent`` turns it into the family's latent (a family with a pixel codec).
+Records may instead name a latent file under ``--latent-key`` (any family; images ``(C, H, W)``, video
+``(C, F, H, W)``).
 """
 
 import json
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.models.capabilities import PixelCodec, require
 from miles.utils.misc import make_generator
 from miles.utils.types import PromptShard
 
@@ -178,19 +181,21 @@ def load_image_latent(
     expected_shape: tuple[int, ...] | None = None,
     where: str | None = None,
 ) -> torch.Tensor:
-    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``).
+    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``, which a
+    family declares with :class:`miles.models.capabilities.PixelCodec`).
 
     Args:
         expected_shape: the denoiser's latent shape (``family.latent_shape``); an image of another size is rejected.
         where: names the record in errors, e.g. ``"--prompt-data data.jsonl record 7 (prompt 'a 7')"``.
 
     Raises:
-        ValueError: on a bad image (see :func:`load_image`) or a latent of another shape; the message starts with
-            ``where``.
+        ValueError: on a bad image (see :func:`load_image`), a latent of another shape or a family without a pixel
+            codec; the message starts with ``where``.
         FileNotFoundError: if the image path does not exist.
     """
     prefix = f"{where}: " if where else ""
     try:
+        require(family, PixelCodec, "an image record (give a latent file under --latent-key instead)")
         latent = family.images_to_latents(load_image(value, base_dir).unsqueeze(0))[0]
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{prefix}{exc}") from exc
@@ -205,12 +210,12 @@ def load_image_latent(
 
 
 def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
-    """A stored latent ``(C, H, W)`` as float32: a ``.safetensors`` file with one tensor (or a tensor named
-    ``latent``), or a float ``.npy`` array.
+    """A stored latent ``(C, H, W)`` (video: ``(C, F, H, W)``) as float32: a ``.safetensors`` file with one tensor
+    (or a tensor named ``latent``), or a float ``.npy`` array.
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3.
+        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3 or 4.
     """
     prefix = f"{where}: " if where else ""
     path = Path(path)
@@ -237,8 +242,11 @@ def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
         latent = torch.from_numpy(array)
     else:
         raise ValueError(f"{prefix}latent file {path} must be .safetensors or .npy")
-    if latent.ndim != 3:
-        raise ValueError(f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W)")
+    if latent.ndim not in (3, 4):
+        raise ValueError(
+            f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W) or, for video, "
+            "(C, F, H, W)"
+        )
     return latent.float()
 
 
@@ -250,8 +258,8 @@ def load_record_latent(
     expected_shape: tuple[int, ...] | None = None,
     where: str | None = None,
 ) -> torch.Tensor:
-    """A data record's clean latent, float32 ``(C, H, W)``: its ``--latent-key`` file when it has one (already in
-    latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
+    """A data record's clean latent, float32 of the family's latent shape: its ``--latent-key`` file when it has
+    one (already in latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
     ``--image-key`` image turned into a latent by the family.
 
     Raises:

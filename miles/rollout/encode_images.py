@@ -171,6 +171,7 @@ def encode_image_folder(
     prompt: str | None = None,
     batch_size: int = 8,
     progress: bool | None = None,
+    family_name: str | None = None,
 ) -> dict[str, Any]:
     """Fit, caption and encode every image of ``image_dir``; write the latent records to ``out_dir``.
 
@@ -186,6 +187,9 @@ def encode_image_folder(
         prompt: the caption of images without one.
         batch_size: images per ``images_to_latents`` call.
         progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
+        family_name: a registered family name or a dotted path to a family class (the trainer's
+            ``--diffusion-model-family``); None reads ``model_index.json``. The family needs a pixel codec
+            (:class:`miles.models.capabilities.PixelCodec`).
 
     Returns:
         the manifest written to ``encode_images.json``: ``{"pipeline", "family", "image_dir", "image_shape",
@@ -197,7 +201,7 @@ def encode_image_folder(
     """
     from tqdm import tqdm
 
-    from miles.models import get_model_family
+    from miles.models import PixelCodec, get_model_family, require
 
     if batch_size < 1:
         raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
@@ -205,7 +209,8 @@ def encode_image_folder(
     if not pipeline.is_dir():
         raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
     try:
-        family = get_model_family(pipeline)
+        family = get_model_family(pipeline, family_name)
+        require(family, PixelCodec, "python -m miles.rollout.encode_images")
         shape = family.image_shape(pipeline)
         latent_shape = family.latent_shape(pipeline)
     except (FileNotFoundError, ValueError, KeyError) as exc:
@@ -266,13 +271,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call (default: 8)")
+    parser.add_argument(
+        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
+    )
     ns = parser.parse_args(argv)
     from miles.utils.log import setup_logging
 
     setup_logging("INFO")
     try:
         manifest = encode_image_folder(
-            ns.pipeline, ns.image_dir, ns.out_dir, captions=ns.captions, prompt=ns.prompt, batch_size=ns.batch_size
+            ns.pipeline,
+            ns.image_dir,
+            ns.out_dir,
+            captions=ns.captions,
+            prompt=ns.prompt,
+            batch_size=ns.batch_size,
+            family_name=ns.diffusion_model_family,
         )
     except OfflineDataError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)

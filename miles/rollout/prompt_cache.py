@@ -92,6 +92,7 @@ def write_prompt_cache(
     dtype: str = "float32",
     batch_size: int = 16,
     progress: bool | None = None,
+    family_name: str | None = None,
 ) -> dict[str, Any]:
     """Encode every distinct prompt of ``prompts_path`` once with the pipeline's text encoder; write the cache.
 
@@ -106,6 +107,8 @@ def write_prompt_cache(
             trainer reads the files back as float32).
         batch_size: distinct prompts per encoder call.
         progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
+        family_name: a registered family name or a dotted path to a family class (the trainer's
+            ``--diffusion-model-family``); None reads ``model_index.json``.
 
     Returns:
         the manifest written to ``prompt_cache.json``: ``{"pipeline", "family", "prompts", "cond_key",
@@ -129,7 +132,7 @@ def write_prompt_cache(
     if not pipeline.is_dir():
         raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
     try:
-        family = get_model_family(pipeline)
+        family = get_model_family(pipeline, family_name)
     except (FileNotFoundError, ValueError) as exc:
         raise OfflineDataError(str(exc)) from exc
     records = read_prompt_records(prompts_path, input_key)
@@ -193,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per encoder call (default: 16)")
+    parser.add_argument(
+        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
+    )
     ns = parser.parse_args(argv)
     from miles.utils.log import setup_logging
 
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             device=ns.device,
             dtype=ns.dtype,
             batch_size=ns.batch_size,
+            family_name=ns.diffusion_model_family,
         )
     except OfflineDataError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from miles.models.base import read_scheduler_config
+from miles.models.capabilities import decode_latents
 from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.engine import RolloutEngine, convert_samples, default_device
 from miles.utils.log import setup_logging
@@ -71,7 +72,7 @@ class RolloutEngineWorker:
     ) -> torch.Tensor:
         """Full-trajectory samples of the shard with the replica's current weights: uint8 ``(B, H, W, C)``."""
         latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        return self.family.latents_to_images(latents)
+        return decode_latents(self.family, latents)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the student's full (unsharded) state dict of CPU tensors.

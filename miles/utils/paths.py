@@ -69,6 +69,7 @@ def _relative_files(root: str | os.PathLike, skip_hidden: bool = False) -> set[s
 def _exported_files(out: Path) -> set[str]:
     """What an earlier export wrote that its source may lack: the transformer's weights and config as
     ``save_pretrained`` names them, and the scheduler config; a user's other files are none of these."""
+    # "transformer" is miles.models.base.DENOISER, the denoiser's folder; utils sits below the models layer.
     names = {"transformer", "scheduler", "transformer/config.json", "scheduler/scheduler_config.json"}
     transformer = out / "transformer"
     if transformer.is_dir():

@@ -1,8 +1,10 @@
 """Data passed between the rollout engine, the converters and the trainers.
 
-Tensors of one sample carry no batch dimension; latents are ``(C, H, W)`` float32 (``(1, 8, 8)`` pixels in
-[-1, 1] for the digits pipeline, VAE latents for SD3). Conditioning dicts hold the keyword arguments of the
-denoiser's forward, e.g. ``{"encoder_hidden_states": (L, D), "pooled_projections": (P,)}``.
+Tensors of one sample carry no batch dimension; latents are float32 of the family's ``latent_shape``, any rank:
+``(C, H, W)`` for an image family (``(1, 8, 8)`` pixels in [-1, 1] for the digits pipeline, VAE latents for SD3),
+``(C, F, H, W)`` for a video family (F frames). Shapes below are written ``(C, H, W)`` and mean either.
+Conditioning dicts hold the keyword arguments of the denoiser's forward, e.g. ``{"encoder_hidden_states": (L, D),
+"pooled_projections": (P,)}``.
 """
 
 from dataclasses import dataclass, field

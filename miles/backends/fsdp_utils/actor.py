@@ -65,7 +65,8 @@ from miles.backends.fsdp_utils.model import (
 )
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.sleep import SleepController
-from miles.models.base import read_scheduler_config
+from miles.models.base import DENOISER, read_scheduler_config
+from miles.models.capabilities import decode_latents
 from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
 from miles.utils.log import setup_logging
@@ -76,9 +77,6 @@ from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWei
 __all__ = ["FSDPTrainRayActor"]
 
 logger = logging.getLogger(__name__)
-
-# The trainable denoiser's component name: PreparedBatch.component and TrainContext.models use it.
-TRANSFORMER = "transformer"
 
 
 def _free_port() -> int:
@@ -181,7 +179,7 @@ class FSDPTrainRayActor:
         )
         self.teacher_models = {}
         if getattr(args, "teacher_load", None):
-            self.teacher_models[TRANSFORMER] = load_frozen_denoiser(
+            self.teacher_models[DENOISER] = load_frozen_denoiser(
                 self.family,
                 args.teacher_load,
                 self.mesh,
@@ -191,7 +189,7 @@ class FSDPTrainRayActor:
             )
         # The group's trainable modules: the denoiser, plus what --custom-build-modules-path adds (the DMD2 GAN head),
         # all under one optimizer, clipped, checkpointed and slept together.
-        self.modules = nn.ModuleDict({TRANSFORMER: self.model})
+        self.modules = nn.ModuleDict({DENOISER: self.model})
         builder = getattr(args, "custom_build_modules_path", None)
         if builder:
             for name, module in self._build_extra_modules(load_function(builder), builder).items():
@@ -227,7 +225,7 @@ class FSDPTrainRayActor:
     def _build_extra_modules(self, builder: Callable, path: str) -> dict[str, nn.Module]:
         """Call ``--custom-build-modules-path`` (``fn(args, models) -> {name: nn.Module}``) on the loaded denoiser,
         then place and shard each module it returns like the denoiser (one FSDP unit each)."""
-        extras = builder(self.args, {TRANSFORMER: self.model})
+        extras = builder(self.args, {DENOISER: self.model})
         if not isinstance(extras, dict) or not all(
             isinstance(name, str) and isinstance(module, nn.Module) for name, module in extras.items()
         ):
@@ -235,9 +233,9 @@ class FSDPTrainRayActor:
                 f"--custom-build-modules-path {path} returned {type(extras).__name__}; expected a dict of "
                 "name -> torch.nn.Module"
             )
-        if TRANSFORMER in extras:
+        if DENOISER in extras:
             raise ValueError(
-                f"--custom-build-modules-path {path} returned a module named {TRANSFORMER!r}, the denoiser's"
+                f"--custom-build-modules-path {path} returned a module named {DENOISER!r}, the denoiser's"
             )
         for module in extras.values():
             module.to(self.device).train().requires_grad_(True)
@@ -397,7 +395,7 @@ class FSDPTrainRayActor:
         """
         with self.sleeper.awake(), self._eval_weights(), self._student_inference():
             latents = self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        return self.family.latents_to_images(latents)
+        return decode_latents(self.family, latents)
 
     def _eval_weights(self):
         """The weights evaluation and export use: the EMA's with ``--ema-for-eval``, else the live ones."""

@@ -351,7 +351,20 @@ COMMANDS: dict[str, Callable] = {
         "--custom-prepare-train-batch-path", "tests.support.faults.no_such_hook", message="--custom-prepare-train-b"
     ),
     "train-input-hook-not-callable": flag_case(
-        "--custom-train-input-function-path", "miles.backends.fsdp_utils.actor.TRANSFORMER", message="not a callable"
+        "--custom-train-input-function-path", "miles.models.base.DENOISER", message="not a callable"
+    ),
+    "model-family-no-module": flag_case(
+        "--diffusion-model-family",
+        "no_such_pkg.family.Family",
+        message="--diffusion-model-family 'no_such_pkg.family.Family': cannot import module 'no_such_pkg.family'",
+    ),
+    "model-family-not-a-family": flag_case(
+        "--diffusion-model-family",
+        "tests.support.toy_video_family.ToyPromptEncoder",
+        message="--diffusion-model-family tests.support.toy_video_family.ToyPromptEncoder is <class",
+    ),
+    "model-family-unknown-name": flag_case(
+        "--diffusion-model-family", "flux", message="--diffusion-model-family flux is unknown; pass a registered name"
     ),
     # data files
     "prompt-data-missing": flag_case(

@@ -30,9 +30,11 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
+from miles.models.base import DENOISER
+from miles.models.capabilities import TrueCFG, supports
 from miles.utils.health import health_figures
 from miles.utils.misc import make_generator
-from miles.utils.sampling import FlowNoiseSchedule, guided_velocity, x0_from_velocity
+from miles.utils.sampling import FlowNoiseSchedule, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
@@ -185,10 +187,13 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
-    score without), see [DMD2 4/7]. Both models are resharded afterwards, also on error.
+    score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
+    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are
+    resharded afterwards, also on error.
 
     Args:
-        ctx: reads ``teacher_models["transformer"]`` (frozen teacher), ``models["transformer"]`` (the critic),
+        ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
+            (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`),
             ``args.seed``, ``args.fsdp_flow_shift``, ``args.micro_batch_size``, ``args.dmd2_teacher_guidance_scale``,
             ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
@@ -211,16 +216,18 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     """
     if not train_pairs:
         raise ValueError("predict_teacher_and_critic_x0 got no train pairs; the critic group's DP shard is empty")
-    if "transformer" not in ctx.teacher_models:
+    if DENOISER not in ctx.teacher_models:
         raise ValueError(
-            "DMD2 scoring needs the frozen teacher in the critic group (ctx.teacher_models['transformer']); "
+            f"DMD2 scoring needs the frozen teacher in the critic group (ctx.teacher_models[{DENOISER!r}]); "
             "set --teacher-load"
         )
     args = ctx.args
-    teacher = ctx.teacher_models["transformer"]
-    critic = ctx.models["transformer"]
+    teacher = ctx.teacher_models[DENOISER]
+    critic = ctx.models[DENOISER]
     guidance_scale = float(args.dmd2_teacher_guidance_scale)
-    if guidance_scale != 1.0:
+    # Only true CFG runs an unconditional branch; an embedded-guidance teacher takes the scale as an input.
+    true_cfg = supports(ctx.family, TrueCFG)
+    if guidance_scale != 1.0 and true_cfg:
         _check_negative_conds(train_pairs, guidance_scale)
     grid = trainer_flow_grid(args)
     allowed = scoring_grid_indices(args, grid)
@@ -243,8 +250,10 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
 
                 pos_cond = collate_cond([pair.pos_cond for pair in chunk])
-                neg_cond = collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 else None
-                v_real = guided_velocity(
+                neg_cond = (
+                    collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 and true_cfg else None
+                )
+                v_real = ctx.family.guided_velocity(
                     partial(ctx.predict_velocity, teacher), x_sigma, timestep, pos_cond, neg_cond, guidance_scale
                 )
                 v_fake = ctx.predict_velocity(critic, x_sigma, timestep, pos_cond)

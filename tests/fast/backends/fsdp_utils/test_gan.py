@@ -8,6 +8,7 @@ import copy
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +23,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
 )
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import shard_model
-from miles.models import get_model_family
+from miles.models import ModelFamily, TrueCFG, get_model_family
 from miles.utils.types import TrainPair
 from tests.support.trainer import TEXT_DIM, make_pipeline, single_process_group
 
@@ -275,3 +276,37 @@ def test_the_critic_gan_batch_runs_sft_fakes_and_reals_in_one_forward(tmp_path):
         assert "--dmd2-gan-real-data" in str(exc)
     else:
         raise AssertionError("a pair without its real sample was accepted")
+
+
+def test_a_video_grid_runs_each_frame_through_the_2d_head_and_averages_the_frames():
+    torch.manual_seed(0)
+    video = DiscriminatorHead(24, (3, 4, 4), num_features=2)
+    image = DiscriminatorHead(24, (4, 4), num_features=2)
+    image.load_state_dict(video.state_dict())  # one design: the same parameters judge a frame and an image
+    gen = torch.Generator().manual_seed(1)
+    features = [torch.randn(2, 3 * 16, 24, generator=gen) for _ in range(2)]  # (B, f·h·w, D), row-major f, h, w
+    frames = [tokens.view(2, 3, 16, 24).reshape(6, 16, 24) for tokens in features]  # (B·f, h·w, D)
+    torch.testing.assert_close(video(features), image(frames).view(2, 3).mean(dim=1), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="expected 3×4×4 image tokens, got 16"):
+        video([tokens[:, :16] for tokens in features])
+    with pytest.raises(ValueError, match=r"a token grid is \(h, w\) or \(f, h, w\)"):
+        DiscriminatorHead(24, (2, 3, 4, 4))
+
+
+def test_a_family_without_a_feature_tap_gets_no_gan_head(tmp_path):
+    pipeline = make_pipeline(tmp_path / "digits")
+    args = _args(pipeline, diffusion_model_family=f"{__name__}.NoTapFamily")
+    critic = get_model_family(pipeline).load_denoiser(pipeline)
+    with pytest.raises(ValueError, match=r"the DMD2 GAN head .* needs a model family that implements .*TokenFeatures"):
+        build_discriminator(args, {"transformer": critic})
+
+
+class NoTapFamily(ModelFamily, TrueCFG):
+    """A complete family that declares no TokenFeatures (the GAN head refuses it before calling anything)."""
+
+    name, pipeline_classes = "no_tap_test", ()
+
+    def load_denoiser(self, path, dtype=torch.float32):
+        raise AssertionError("not reached")
+
+    load_text_encoder = encode_prompts = latent_shape = predict_velocity = blocks = load_denoiser

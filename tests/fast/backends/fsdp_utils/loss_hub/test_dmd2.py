@@ -24,6 +24,7 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
 )
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.models import TrueCFG
 from miles.utils.misc import make_generator
 from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.types import TrainPair
@@ -31,8 +32,9 @@ from miles.utils.types import TrainPair
 C, H, W, L, D, P = 2, 4, 4, 3, 5, 6
 
 
-class CallFamily:
-    """The one family method the hooks use: the denoiser takes ``(latents, timestep, **cond)``, returns v."""
+class CallFamily(TrueCFG):
+    """The family methods the hooks use: the denoiser takes ``(latents, timestep, **cond)`` and returns v; the
+    teacher is guided by true CFG (the declared guidance form)."""
 
     def predict_velocity(self, denoiser, latents, timestep, cond):
         return denoiser(latents, timestep, **cond).float()
