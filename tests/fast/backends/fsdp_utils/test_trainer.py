@@ -52,6 +52,7 @@ def _reference(args, family, pipeline, rollouts: int):
     window's pair count backward, clip, AdamW, the LR lambda, and the EMA update of diffusers' warm-up."""
     model = family.load_denoiser(pipeline).train()
     params = list(model.parameters())
+    # Spelled out rather than miles' build_optimizer / build_lr_scheduler: the reference is plain PyTorch.
     optimizer = torch.optim.AdamW(
         params,
         lr=args.lr,
