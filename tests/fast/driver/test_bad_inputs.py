@@ -347,7 +347,7 @@ COMMANDS: dict[str, Callable] = {
         "--custom-prepare-train-batch-path", "tests.support.faults.no_such_hook", message="--custom-prepare-train-b"
     ),
     "train-input-hook-not-callable": flag_case(
-        "--custom-train-input-function-path", "miles.backends.fsdp_utils.actor.TRANSFORMER", message="not a callable"
+        "--custom-train-input-function-path", "miles.backends.fsdp_utils.model_set.DENOISER", message="not a callable"
     ),
     # data files
     "prompt-data-missing": flag_case(
