@@ -7,7 +7,7 @@ the SD3.5-Medium recipe's figures. The count:
 
 - one denoiser forward of one sample, counted by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and
   attention) on the meta device, from the pipeline's own ``transformer/config.json`` at its latent size and the
-  family's text length (SD3: 77 CLIP + 256 T5 tokens; digits: its ``max_length``), so no weight is read;
+  family's ``text_tokens`` (SD3: 77 CLIP + 256 T5 tokens; digits: its ``max_length``), so no weight is read;
 - each phase's forwards and backwards per rank from :func:`miles.driver.plan.work_per_rank`, a backward counted as
   two forwards (and one more forward per backward with ``--gradient-checkpointing``). The rollout phase counts every
   step of the schedule for every sample (DMD2 samples stop at a random step, so it is an upper bound);
@@ -33,8 +33,6 @@ ASSUMED_MFU = 0.30
 # Dense bf16 peak TFLOP/s by device name (vendor data sheets; the same table as benchmarks/gpu_check.py).
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 DEFAULT_DEVICE = "H100"
-# SD3's text conditioning: two CLIPs' 77 tokens, then T5's 256 (diffusers' max_sequence_length).
-SD3_TEXT_TOKENS = 77 + 256
 
 
 @dataclass
@@ -58,18 +56,9 @@ class Estimate:
         return self.flops / (self.mfu * self.peak_tflops * 1e12)
 
 
-def _text_tokens(args: argparse.Namespace) -> int:
-    from miles.models import get_model_family
-
-    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-    if hasattr(family, "text_config"):
-        return int(family.text_config(args.hf_checkpoint)["max_length"])
-    return SD3_TEXT_TOKENS
-
-
-def forward_flops(pipeline: str | Path, latent_shape: tuple[int, int, int], text_tokens: int) -> tuple[float, int]:
-    """``(FLOPs, parameters)`` of one forward of ``<pipeline>/transformer`` on one sample, counted on the meta
-    device (no weight is read).
+def forward_flops(pipeline: str | Path, latent_shape: tuple[int, ...], text_tokens: int) -> tuple[float, int]:
+    """``(FLOPs, parameters)`` of one forward of the pipeline's denoiser (``<pipeline>/transformer``) on one
+    sample of ``latent_shape`` (``(C, H, W)``), counted on the meta device (no weight is read).
 
     Raises:
         ValueError: for a denoiser whose forward is not SD3's (``encoder_hidden_states`` of ``joint_attention_dim``
@@ -79,9 +68,9 @@ def forward_flops(pipeline: str | Path, latent_shape: tuple[int, int, int], text
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from miles.models.base import read_json
+    from miles.models.base import DENOISER, read_json
 
-    folder = Path(pipeline) / "transformer"
+    folder = Path(pipeline) / DENOISER
     config = read_json(folder / "config.json", "denoiser config")
     cls = getattr(diffusers, str(config.get("_class_name")), None)
     if cls is None or "joint_attention_dim" not in config or "pooled_projection_dim" not in config:
@@ -116,7 +105,7 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Esti
     from miles.models import get_model_family
 
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-    tokens = _text_tokens(args)
+    tokens = family.text_tokens(args.hf_checkpoint)
     fwd, params = forward_flops(args.hf_checkpoint, family.latent_shape(args.hf_checkpoint), tokens)
     recompute = 1 if args.gradient_checkpointing else 0
     phases = [
@@ -131,6 +120,7 @@ def log_estimate(args: argparse.Namespace, rollouts: int) -> Estimate | None:
     """Log the estimate of one rollout and of ``rollouts`` of them (None, with a note, when it cannot be made)."""
     try:
         found = estimate_rollout(args)
+    # RuntimeError includes NotImplementedError: a family that does not say its text tokens.
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         logger.info("time estimate: none (%s)", exc)
         return None
@@ -170,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     start = 0
     if args.load:
-        from miles.backends.fsdp_utils.checkpoint import read_latest
+        from miles.driver.run_dir import read_latest
 
         start = read_latest(args.load) + 1
     if log_estimate(args, args.num_rollout - start) is None:

@@ -95,8 +95,17 @@ def move_aside_earlier_eval(output_dir: str | os.PathLike) -> Path | None:
 
 def _grid_images(images) -> np.ndarray:
     """The first :data:`GRID_MAX_IMAGES` images, each shrunk (Lanczos) to at most :data:`GRID_MAX_SIDE` pixels a
-    side; uint8 ``(N, H, W, C)``."""
+    side; uint8 ``(N, H, W, C)``, or a video family's ``(N, F, H, W, C)`` with every frame shrunk alike."""
     pixels = np.asarray(images.numpy() if hasattr(images, "numpy") else images)[:GRID_MAX_IMAGES]
+    if pixels.ndim == 5:
+        # Frames as images of their own, put back as videos (save_image_grid draws each as a strip).
+        n, frames = pixels.shape[:2]
+        shrunk = _grid_images_of(pixels.reshape(n * frames, *pixels.shape[2:]))
+        return shrunk.reshape(n, frames, *shrunk.shape[1:])
+    return _grid_images_of(pixels)
+
+
+def _grid_images_of(pixels: np.ndarray) -> np.ndarray:
     height, width = pixels.shape[1:3]
     if max(height, width) <= GRID_MAX_SIDE:
         return pixels

@@ -2,9 +2,9 @@
 
 The placement, the trainer groups as a table with each group's overrides, each DP rank's work per rollout (denoiser
 forwards and backwards for the rollout, every group's optimizer steps and its train-output hook, DMD2's scoring, so
-a user sees every phase divided by the DP size), the schedule, the evaluation, and the time estimate of
-:mod:`miles.driver.estimate`. Everything a real run checks before Ray starts has passed by then
-(:func:`miles.driver.preflight.validate_inputs`).
+a user sees every phase divided by the DP size), the schedule, the evaluation, the time estimate of
+:mod:`miles.driver.estimate` and the memory plan of :mod:`miles.driver.memory_plan`. Everything a real run checks
+before Ray starts has passed by then (:func:`miles.driver.preflight.validate_inputs`).
 """
 
 import logging
@@ -12,6 +12,7 @@ import logging
 import torch
 
 from miles.driver.estimate import log_estimate
+from miles.driver.memory_plan import log_memory_plan
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
 from miles.utils.trainer_config import compute_trainer_args
@@ -58,8 +59,9 @@ def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
 
 
 def log_plan(args) -> None:
-    """Log the trainer groups, their placement, the work per rank and the schedule, without starting Ray."""
-    from miles.backends.fsdp_utils.checkpoint import read_latest
+    """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
+    starting Ray."""
+    from miles.driver.run_dir import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
     configs = compute_trainer_configs(args)
@@ -74,7 +76,10 @@ def log_plan(args) -> None:
         len(configs),
     )
     if args.train_only:
-        logger.info("rollout: none (--train-only): each actor rank reads its share of the data")
+        readers = (
+            f"each of the {args.rollout_num_gpus} engine replicas" if args.rollout_num_gpus else "each actor rank"
+        )
+        logger.info("rollout: none (--train-only): %s reads its share of the data", readers)
     elif args.rollout_num_gpus:
         logger.info(
             "rollout: %d dedicated engine replicas, each generating %d DP shards",
@@ -107,7 +112,7 @@ def log_plan(args) -> None:
     )
     log_eval_plan(args)
     log_estimate(args, args.num_rollout - start)
-    logger.info("memory per GPU: not estimated yet (the memory planner's figure is added to --dry-run once it exists)")
+    log_memory_plan(args)
 
 
 def _short_list(values: list[int], shown: int = 8) -> str:

@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from miles.utils.validation import flag, reject
+from miles.utils.validation import reject
 
 __all__ = ["HOOK_FLAGS", "validate_inputs"]
 
@@ -22,6 +22,7 @@ HOOK_FLAGS = (
     "custom_loss_function_path",
     "custom_train_output_function_path",
     "custom_build_modules_path",
+    "custom_trainer_path",
     "diffusion_step_strategy_path",
     "eval_function_path",
 )
@@ -134,7 +135,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     seconds on one line instead of inside a Ray worker (or, for ``--eval-function-path``, after the training).
 
     - every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, ``--eval-function-path``) imports
-      and names a callable;
+      and names a callable; ``--diffusion-model-family`` is a registered name or imports a complete family class;
     - ``--load`` holds a complete, readable newest checkpoint of this loss type (``preflight_checkpoint``);
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
       ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
@@ -160,6 +161,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     from miles.utils.trainer_config import compute_trainer_args
 
     group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
+    if args.diffusion_model_family:
+        from miles.models import family_class
+
+        try:
+            family_class(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
     for name in HOOK_FLAGS:
         if getattr(args, name, None) == "":
             # An empty value would otherwise fall back to nothing, or to the method's hook, silently.
@@ -197,12 +205,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     if args.eval_interval and args.eval_prompt_data:
         eval_records = _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
         check_record_files(args, "--eval-prompt-data", args.eval_prompt_data, eval_records, None)
-    real_data = get_method(args).real_data(args)
-    if real_data:
-        # Named by the method's flag that holds it (--dmd2-gan-real-data).
-        name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
-        real_records = _check_real_data(args, flag(name), real_data)
-        check_record_files(args, flag(name), real_data, real_records, shape)
+    for side in get_method(args).side_inputs(args):
+        side_records = _check_real_data(args, side.flag, side.path)
+        check_record_files(args, side.flag, side.path, side_records, shape)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     get_method(args).check_inputs(args)

@@ -2,7 +2,7 @@
 
 Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`, in a ``--dry-run`` too). Reads
 only headers and small files: each group's DCP ``.metadata`` (the shards' expected sizes, compared with the files'),
-the per-rank scheduler/RNG files, the data cursor, and the run record (:mod:`miles.driver.resume`). A checkpoint
+the data cursor, and the run record (:mod:`miles.driver.resume`). A checkpoint
 whose shards were truncated (a copy cut short, a disk that filled under another tool) is refused here, with the
 newest earlier checkpoint that is complete in every group offered instead, rather than failing in every worker.
 """
@@ -21,8 +21,7 @@ def _fail(load: str, message: str) -> None:
 
 def _damaged(directory: str, rollout_id: int) -> str | None:
     """What is wrong with a group's checkpoint of ``rollout_id`` beyond what ``resume_rollout`` checks (None if
-    nothing): a DCP shard shorter than its ``.metadata`` says, or a per-rank file that does not load."""
-    import torch
+    nothing): a DCP shard shorter than its ``.metadata`` says."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from miles.backends.fsdp_utils.checkpoint import checkpoint_dir
@@ -41,16 +40,11 @@ def _damaged(directory: str, rollout_id: int) -> str | None:
         if size is None or size < end:
             held = "is missing" if size is None else f"holds {size} bytes"
             return f"shard {shard} {held}, but the checkpoint's metadata needs {end}"
-    for rank_file in sorted(path.glob("rank_*.pt")):
-        try:
-            torch.load(rank_file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            return f"{rank_file} does not load ({type(exc).__name__}: {exc})"
     return None
 
 
 def _earlier_complete(dirs: list[str], before: int) -> int | None:
-    from miles.backends.fsdp_utils.checkpoint import complete_rollouts
+    from miles.driver.run_dir import complete_rollouts
 
     common = set(complete_rollouts(dirs[0]))
     for directory in dirs[1:]:
@@ -67,8 +61,8 @@ def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -
         ArgumentValidationError: naming ``--load``, the file at fault and, for a damaged checkpoint, the newest
             earlier one that is complete.
     """
-    from miles.backends.fsdp_utils.checkpoint import read_data_state, read_latest, resume_rollout
     from miles.driver.resume import check_resume
+    from miles.driver.run_dir import read_data_state, read_latest, resume_rollout
 
     load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
     try:

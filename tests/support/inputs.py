@@ -62,9 +62,9 @@ def checkpoint_layout(
     loss_type: str | None = None,
     role: str = "actor",
 ) -> Path:
-    """A real checkpoint of ``rollout_id`` as ``checkpoint.save_checkpoint`` writes it (DCP shards, per-rank file,
-    ``metadata.json``; ``latest`` with ``commit``), of a 4×4 linear layer and its AdamW: what the preflight reads,
-    though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes the run
+    """A real checkpoint of ``rollout_id`` as ``checkpoint.save_checkpoint`` writes it (format 3: DCP shards of the
+    modules, optimizer, schedule and RNG, ``metadata.json``; ``latest`` with ``commit``), of a 4×4 linear layer and
+    its AdamW: what the preflight reads, though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes the run
     record of ``miles.driver.resume``; ``role`` is the group's, in its metadata."""
     import argparse
 
@@ -73,16 +73,21 @@ def checkpoint_layout(
     from miles.backends.fsdp_utils import checkpoint
     from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
     from miles.driver.resume import run_record, write_run_record
+    from miles.models.base import DENOISER
 
     settings = argparse.Namespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0,
                                   min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant")  # fmt: skip
     module = torch.nn.Linear(4, 4)
     optimizer = build_optimizer([module], settings)
-    state = checkpoint.TrainState(torch.nn.ModuleDict({"transformer": module}), optimizer)
     scheduler = build_lr_scheduler(optimizer, settings, 10)
+    states = {
+        "train": checkpoint.ModulesState(torch.nn.ModuleDict({DENOISER: module}), optimizer),
+        "scheduler": checkpoint.SchedulerState(scheduler),
+        "rng": checkpoint.RNGState(),
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
-        path = checkpoint.save_checkpoint(save_dir, rollout_id, state, scheduler, role=role, data_state=data_state)
+        path = checkpoint.save_checkpoint(save_dir, rollout_id, states, role=role, data_state=data_state)
     if loss_type is not None:
         write_run_record(
             save_dir, run_record(argparse.Namespace(loss_type=loss_type, **vars(settings)), rollout_id, None)

@@ -70,8 +70,8 @@ def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(
     assert vars(args) == snapshot
     text = caplog.text
     assert text.index("  critic  /models/teacher") < text.index("  actor   /models/student")
-    # Neither pipeline exists here: the estimate says why it has no figure; the memory figure is the planner's.
-    assert "time estimate: none (" in text and "memory per GPU: not estimated yet" in text
+    # Neither pipeline exists here: the estimate and the memory plan each say why they have no figure.
+    assert "time estimate: none (" in text and "memory plan: not available (FileNotFoundError: " in text
     bundle = "{GPU: 1, CPU: c}" if torch.cuda.is_available() else "{CPU: c}"
     assert f"placement: 2 bundles of {bundle}" in text and "the 2 trainer groups share them" in text
     assert "rollout: each of the 2 actor ranks generates its own shard on its student" in text
