@@ -111,10 +111,12 @@ def test_resume_from_a_mid_run_commit_repeats_the_figures_exactly(run):
 
 def test_phase_two_on_an_engine_replica_repeats_the_figures(run):
     """``--rollout-num-gpus 1``: a replica generates both DP shards and hands each pair its real sample, so the
-    critic's GAN steps run (they once failed at the first one) and every figure equals the actor-generated run's."""
+    critic's GAN steps run (they once failed at the first one) and every figure equals the actor-generated run's to
+    float32 rounding: the replica samples with an unsharded module and its own torch thread count, so its matmuls
+    may sum in another order than the gathered FSDP2 module of a rank (seen: 4e-7 relative on a loaded machine)."""
     out = run["root"] / "replica"
     run_main(_argv(run["root"], out, "--rollout-num-gpus", "1"))
     records = read_metrics(out)
     for key in ["train/loss", "train/critic-loss", *GAN_ACTOR, *GAN_CRITIC]:
         expected = [r[key] for r in _train_records(run["records"], key)]
-        assert expected and [r[key] for r in _train_records(records, key)] == expected, key
+        assert expected and [r[key] for r in _train_records(records, key)] == pytest.approx(expected, rel=1e-5), key
