@@ -199,7 +199,16 @@ class FSDPTrainRayActor:
         self.optimizer = build_optimizer(list(self.modules.values()), args)
         self.scheduler = build_lr_scheduler(self.optimizer, args, args.num_rollout * args.num_steps_per_rollout)
         ema_decay = getattr(args, "ema_decay", None)
-        self.ema = ParameterEMA(self.modules, ema_decay) if ema_decay else None
+        self.ema = (
+            ParameterEMA(
+                self.modules,
+                ema_decay,
+                min_decay=getattr(args, "ema_min_decay", 0.0),
+                update_after_step=getattr(args, "ema_update_after_step", 0),
+            )
+            if ema_decay
+            else None
+        )
         self.ema_for_eval = self.ema is not None and getattr(args, "ema_for_eval", True)
         self.state = checkpoint.TrainState(self.modules, self.optimizer, self.ema)
         self.sleeper = SleepController(
