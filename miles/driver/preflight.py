@@ -195,6 +195,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
         # Named by the method's flag that holds it (--dmd2-gan-real-data).
         name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
         _check_real_data(args, flag(name), real_data)
+    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)
+    if real_data and args.eval_interval and eval_real_data:
+        _check_real_data(args, "--dmd2-gan-eval-real-data", eval_real_data)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     preflight_outputs.check_writable(args)

@@ -58,6 +58,8 @@ def _rejection(argv, capsys) -> str:
         DMD2,
         [*DMD2, "--dmd2-teacher-guidance-scale", "4.5", "--fsdp-flow-shift", "0.5"],
         [*DMD2, "--dmd2-critic-steps-per-rollout", "1", "--dmd2-critic-scoring", "original"],
+        [*DMD2, "--dmd2-scoring-sigma", "logit-normal", "--dmd2-scoring-logit-mean", "-1", "--ema-decay", "0.99"]
+        + ["--ema-min-decay", "0.99", "--ema-update-after-step", "100"],
         [
             *DMD2,
             "--dmd2-critic-steps-per-rollout",
@@ -215,6 +217,22 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--dmd2-max-timestep-ratio", "1.5"],
             "need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got (0.02, 1.5)",
         ),
+        (
+            [*DMD2, "--dmd2-scoring-shift", "0.5"],
+            "--dmd2-scoring-shift is read by --dmd2-scoring-sigma shift only (got --dmd2-scoring-sigma grid)",
+        ),
+        (
+            [*DMD2, "--dmd2-scoring-sigma", "logit-normal", "--dmd2-scoring-logit-std", "0"],
+            "--dmd2-scoring-logit-std must be > 0, got 0.0",
+        ),
+        (
+            [*DMD2, "--dmd2-gan-projection"],
+            "--dmd2-gan-projection changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it",
+        ),
+        (
+            [*DMD2, "--ema-decay", "0.99", "--ema-min-decay", "0.995"],
+            "--ema-min-decay 0.995 must be <= --ema-decay 0.99 (the warm-up's floor)",
+        ),
     ],
     ids=[
         "teacher-missing",
@@ -230,6 +248,10 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
         "timestep-ratios-equal",
         "timestep-ratio-below-0",
         "timestep-ratio-above-1",
+        "scoring-shift-without-its-rule",
+        "logit-std-zero",
+        "projection-without-gan",
+        "ema-floor-above-decay",
     ],
 )
 def test_unsupported_dmd2_combination_rejected(argv, message, capsys):

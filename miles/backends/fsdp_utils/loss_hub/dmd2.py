@@ -22,11 +22,15 @@ import torch
 
 from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
+    approximate_r1,
     disc_loss_terms,
     generator_gan_gradient,
+    mismatched_rows,
     noised,
+    pooled_embedding,
     seeded_noise_levels,
 )
+from miles.backends.fsdp_utils.loss_hub.scoring_sigma import scoring_sigmas
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
@@ -66,13 +70,22 @@ def prepare_critic_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Pre
 
 
 def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
-    """Phase 2: the critic's flow-matching batch plus the discriminator's, in one forward of 3B samples.
+    """Phase 2: the critic's flow-matching batch plus the discriminator's, in one forward of 3B (to 5B) samples.
 
     Rows ``0..B−1`` are exactly :func:`prepare_critic_batch`'s; rows ``B..2B−1`` are the fakes ``x̂0_i`` and rows
     ``2B..3B−1`` the paired real latents, both noised at diffusion-GAN levels (σ from the scoring range; σ and noise
     from ``make_generator("gan_disc", seed, rollout, micro-batch, DP rank)``: fakes first, then reals), with the
-    fakes' positive cond and the reals' own. The critic's one forward then gives the SFT velocity of the first
-    rows and, through the head's feature tap, the discriminator's features of the others (:func:`critic_gan_loss`).
+    fakes' positive cond and the reals' own. Then, in this order and only when their weights are > 0:
+
+    * ``--dmd2-gan-mismatch-weight``: the noised reals again (same σ and noise) with another real's prompt
+      (:func:`~miles.backends.fsdp_utils.loss_hub.gan.mismatched_rows`);
+    * ``--dmd2-gan-r1-weight``: the reals perturbed by ``α·ε'`` before the same noising (``α`` =
+      ``--dmd2-gan-r1-alpha``, ``ε'`` from ``make_generator("gan_r1", seed, rollout, micro-batch, DP rank)``), with
+      their own prompts.
+
+    The critic's one forward then gives the SFT velocity of the first rows and, through the head's feature tap,
+    the discriminator's features of the others (:func:`critic_gan_loss`). ``extras["gan_groups"]`` names the
+    groups of B rows after the SFT ones.
 
     Raises:
         ValueError: if a pair carries no real sample (``--dmd2-gan-real-data`` feeds them).
@@ -90,15 +103,37 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     sigma, timestep, noise = seeded_noise_levels(
         ctx, "gan_disc", ctx.microbatch_id, (2 * len(train_pairs), *fake.shape[1:]), grid, allowed
     )
+    batch = len(train_pairs)
     gan_latents = noised(torch.cat([fake, real]), sigma, noise).to(ctx.device)
     fake_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()}
     real_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.real_cond for p in train_pairs]).items()}
+    latents, timesteps, conds = (
+        [sft.latents, gan_latents],
+        [sft.timestep, timestep.to(ctx.device)],
+        [fake_cond, real_cond],
+    )
+    groups, extras = ["fake", "real"], {}
+    real_sigma, real_timestep = sigma[batch:], timestep[batch:].to(ctx.device)
+    if float(getattr(ctx.args, "dmd2_gan_mismatch_weight", 0.0)) > 0:
+        rows, valid = mismatched_rows(real_cond)
+        latents.append(gan_latents[batch:])
+        timesteps.append(real_timestep)
+        conds.append({key: value[rows.to(value.device)] for key, value in real_cond.items()})
+        groups.append("mismatch")
+        extras["gan_mismatch_valid"] = valid
+    if float(getattr(ctx.args, "dmd2_gan_r1_weight", 0.0)) > 0:
+        generator = make_generator("gan_r1", ctx.args.seed, ctx.rollout_id, ctx.microbatch_id, ctx.dp_rank)
+        bump = float(ctx.args.dmd2_gan_r1_alpha) * torch.randn(real.shape, generator=generator, dtype=torch.float32)
+        latents.append(noised(real + bump, real_sigma, noise[batch:]).to(ctx.device))
+        timesteps.append(real_timestep)
+        conds.append(real_cond)
+        groups.append("r1")
     return PreparedBatch(
-        latents=torch.cat([sft.latents, gan_latents]),
-        timestep=torch.cat([sft.timestep, timestep.to(ctx.device)]),
-        cond={key: torch.cat([sft.cond[key], fake_cond[key], real_cond[key]]) for key in sft.cond},
+        latents=torch.cat(latents),
+        timestep=torch.cat(timesteps),
+        cond={key: torch.cat([sft.cond[key], *(cond[key] for cond in conds)]) for key in sft.cond},
         target=sft.target,
-        extras={**sft.extras, "gan_batch": len(train_pairs), "gan_sigma": sigma},
+        extras={**sft.extras, **extras, "gan_batch": batch, "gan_sigma": sigma, "gan_groups": groups},
     )
 
 
@@ -111,25 +146,42 @@ def critic_gan_loss(
     metrics: dict[str, list[float]],
 ) -> torch.Tensor:
     """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
-    rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × ``softplus(D(fake)) + softplus(−D(real))``
-    (tianweiy/DMD2 ``guidance_cls_loss``). Both train the critic backbone; the second also trains the head.
+    rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × the discriminator's loss
+    ``softplus(D(fake)) + softplus(−D(real))`` (tianweiy/DMD2 ``guidance_cls_loss``)
+    ``+ w_mismatch · softplus(D(real, another prompt))`` (Reed et al. 2016; pairs without a mismatched prompt in the
+    micro-batch add 0) ``+ w_r1 · (D(real) − D(real + α·ε'))²`` (approximate R1). All train the critic backbone;
+    the GAN terms also train the head.
 
-    Metrics: ``sft_loss``, ``gan_disc_loss``, ``gan_logit_real`` and ``gan_logit_fake`` (mean D of each).
+    Metrics: ``sft_loss``, ``gan_disc_loss`` (the two-term loss), ``gan_logit_real`` and ``gan_logit_fake`` (mean D
+    of each), and with their options ``gan_logit_mismatch`` and ``gan_r1``.
     """
     batch = prepared.extras["gan_batch"]
+    groups = prepared.extras.get("gan_groups", ["fake", "real"])
     target = prepared.target.to(device=new_pred.device, dtype=torch.float32)
     sft = (new_pred[:batch].float() - target).pow(2).flatten(1).mean(dim=1)
     head = ctx.models[DISC_HEAD]
-    # The tap holds the image tokens of the trainer's forward: rows B.. are the noised fakes, then the reals.
-    logits = head([features[batch:] for features in head.tap.features])
-    logits_fake, logits_real = logits[:batch], logits[batch:]
-    disc = disc_loss_terms(logits_fake, logits_real)
-    weight = float(ctx.args.dmd2_gan_disc_weight)
+    # The tap holds the image tokens of the trainer's forward: rows B.. are the noised fakes, then the reals, then
+    # the optional groups.
+    pooled = pooled_embedding(head, prepared.cond)
+    logits = head([features[batch:] for features in head.tap.features], None if pooled is None else pooled[batch:])
+    logit = {name: logits[i * batch : (i + 1) * batch] for i, name in enumerate(groups)}
+    disc = disc_loss_terms(logit["fake"], logit["real"])
+    gan = disc
+    args = ctx.args
+    if "mismatch" in logit:
+        valid = prepared.extras["gan_mismatch_valid"].to(device=logits.device, dtype=torch.float32)
+        gan = gan + float(args.dmd2_gan_mismatch_weight) * valid * torch.nn.functional.softplus(logit["mismatch"])
+        metrics.setdefault("gan_logit_mismatch", []).extend(logit["mismatch"].detach().cpu().tolist())
+    if "r1" in logit:
+        r1 = approximate_r1(logit["real"], logit["r1"])
+        gan = gan + float(args.dmd2_gan_r1_weight) * r1
+        metrics.setdefault("gan_r1", []).extend(r1.detach().cpu().tolist())
+    weight = float(args.dmd2_gan_disc_weight)
     metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
     metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_real", []).extend(logits_real.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_fake", []).extend(logits_fake.detach().cpu().tolist())
-    return (sft + weight * disc).sum()
+    metrics.setdefault("gan_logit_real", []).extend(logit["real"].detach().cpu().tolist())
+    metrics.setdefault("gan_logit_fake", []).extend(logit["fake"].detach().cpu().tolist())
+    return (sft + weight * gan).sum()
 
 
 def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
@@ -181,7 +233,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     Runs after the critic's K steps (or before its last one with ``--dmd2-critic-scoring original``), under no grad,
     over this rank's whole DP shard, in micro-batches of ``--micro-batch-size`` pairs with ids ``0, 1, ...``. Per
     micro-batch ``m``, one generator ``make_generator("dmd2_score", args.seed, ctx.rollout_id, m, ctx.dp_rank)``
-    draws first the grid positions (uniform over :func:`scoring_grid_indices`) and then the noise ``ε``; then
+    draws first the noise levels (:func:`scoring_sigmas`, by default uniform over :func:`scoring_grid_indices`) and
+    then the noise ``ε``; then
     ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
@@ -235,10 +288,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 chunk = train_pairs[start : start + micro_batch_size]
                 x0_hat = torch.stack([pair.x0 for pair in chunk]).float()
                 generator = make_generator("dmd2_score", args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-                grid_index = allowed[torch.randint(0, len(allowed), (len(chunk),), generator=generator)]
+                sigma, timestep = scoring_sigmas(args, grid, allowed, len(chunk), generator)
                 noise = torch.randn(x0_hat.shape, generator=generator, dtype=torch.float32)
-                sigma = grid.sigmas[grid_index]
-                timestep = grid.timesteps[grid_index].float()
                 sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
                 x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
 
@@ -412,6 +463,10 @@ def dmd2_loss_formula(
     x0 = latents - sigma * v
     x0_real, x0_fake, g_gan = _critic_scores(ctx, prepared.extras["sample_index"], device)
     gan_weight = float(getattr(ctx.args, "dmd2_gan_gen_weight", 0.0) or 0.0)
+    if isinstance(ctx.rollout_id, int) and ctx.rollout_id < int(getattr(ctx.args, "dmd2_gan_start_rollout", 0)):
+        # The GAN phase starts once the distribution-matching term has converged (tianweiy/DMD2's ImageNet recipe
+        # adds the GAN to a converged student); the head trains from the start, so it is ready by then.
+        gan_weight = 0.0
 
     reduce_dims = tuple(range(1, x0.ndim))
     with torch.no_grad():

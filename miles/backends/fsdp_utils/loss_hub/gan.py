@@ -12,6 +12,19 @@ Losses (non-saturating, tianweiy/DMD2): the critic group minimises ``softplus(D(
 (``guidance_cls_loss``), weighted by ``--dmd2-gan-disc-weight``, beside its flow-matching loss; the generator's is
 ``softplus(−D(fake))`` (``gen_cls_loss``), whose gradient with respect to the student's x̂0 the critic's scoring
 hook computes (:func:`generator_gan_gradient`) and the actor adds to its distribution-matching gradient.
+
+Options that make the head judge the prompt and resist pixel noise:
+
+* ``--dmd2-gan-projection``: the projection discriminator of Miyato & Koyama 2018 ("cGANs with Projection
+  Discriminator", eq. 3), ``D(x, y) = ψ(φ(x)) + yᵀVφ(x)``, with y the prompt's pooled text embedding
+  (``cond["pooled_projections"]``) in place of a class embedding (:meth:`DiscriminatorHead.forward`).
+* ``--dmd2-gan-mismatch-weight``: the matching-aware discriminator of Reed et al. 2016 ("Generative Adversarial Text
+  to Image Synthesis", GAN-CLS): real images shown with another sample's prompt are a third, "fake" class
+  (:func:`mismatched_rows`).
+* ``--dmd2-gan-r1-weight``: the approximate R1 penalty ``mean((D(x_real) − D(x_real + α·ε))²)`` of FastGen
+  (``gan_r1_reg_weight`` / ``gan_r1_reg_alpha``) and Seaweed-APT (Lin et al. 2025, §3.3), a finite-difference
+  estimate of Mescheder et al. 2018's R1, ``E‖∇_x D(x_real)‖²``: for small α its expectation is
+  ``α²·‖∇_x D‖²`` (:func:`approximate_r1`).
 """
 
 import math
@@ -24,6 +37,10 @@ from miles.utils.misc import make_generator
 
 __all__ = [
     "DISC_HEAD",
+    "POOLED_COND_KEY",
+    "approximate_r1",
+    "mismatched_rows",
+    "pooled_embedding",
     "DiscriminatorHead",
     "FeatureTap",
     "build_discriminator",
@@ -36,6 +53,8 @@ __all__ = [
 
 # The head's name among the critic group's trainable modules (ctx.models, checkpoints, metrics).
 DISC_HEAD = "disc_head"
+# The cond entry the projection term reads: the prompt's pooled text embedding (SD3 and digits families).
+POOLED_COND_KEY = "pooled_projections"
 
 
 def _conv_block(channels_in: int, channels_out: int, kernel: int, stride: int, padding: int) -> list[nn.Module]:
@@ -80,17 +99,30 @@ class FeatureTap:
 
 class DiscriminatorHead(nn.Module):
     """One small conv head per tapped block: image tokens ``(B, h·w, D)`` → ``(B, D, h, w)`` → stride-2 4×4
-    convolutions (GroupNorm, SiLU) until the grid is at most 2×2, then a convolution over the whole grid and a
-    1×1 convolution to one logit; the heads' logits are averaged. Randomly initialised (PyTorch's defaults).
+    convolutions (GroupNorm, SiLU) until the grid is at most 2×2, then a convolution over the whole grid to the
+    feature φ ``(B, C)`` and a 1×1 convolution ψ to one logit; the heads' logits are averaged. Randomly initialised
+    (PyTorch's defaults).
+
+    With ``cond_dim``, each head adds the projection term of Miyato & Koyama 2018 (eq. 3), ``yᵀVφ(x)`` with ``V``
+    a bias-free ``Linear(cond_dim, C)`` and ``y`` the prompt's pooled embedding, so the logit depends on whether the
+    image fits its prompt.
 
     Args:
         hidden_size: D, the transformer's token width.
         grid: ``(h, w)``, the patch grid of the image tokens.
         num_features: how many tapped blocks feed it.
         channels: the convolutions' width (default ``min(D, 256)``).
+        cond_dim: the pooled prompt embedding's width P for the projection term (None: no projection).
     """
 
-    def __init__(self, hidden_size: int, grid: tuple[int, int], num_features: int = 1, channels: int | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        grid: tuple[int, int],
+        num_features: int = 1,
+        channels: int | None = None,
+        cond_dim: int | None = None,
+    ):
         super().__init__()
         self.grid = tuple(grid)
         channels = channels or min(hidden_size, 256)
@@ -104,24 +136,40 @@ class DiscriminatorHead(nn.Module):
             layers.append(nn.Conv2d(channels, 1, kernel_size=1))
             heads.append(nn.Sequential(*layers))
         self.heads = nn.ModuleList(heads)
+        self.projections = None
+        if cond_dim is not None:
+            self.projections = nn.ModuleList(nn.Linear(cond_dim, channels, bias=False) for _ in range(num_features))
 
-    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, features: list[torch.Tensor], cond_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """``features``: one ``(B, h·w, D)`` tensor per head → float32 logits ``(B,)``.
 
+        Args:
+            cond_embedding: float ``(B, P)`` pooled prompt embeddings; required by (and only read by) a head with
+                the projection term.
+
         Raises:
-            ValueError: if the feature count or a token count does not match the head.
+            ValueError: if the feature count or a token count does not match the head, or the projection term
+                gets no (or a mis-shaped) ``cond_embedding``.
         """
         if len(features) != len(self.heads):
             raise ValueError(f"the discriminator head has {len(self.heads)} inputs, got {len(features)} features")
+        if self.projections is not None and (cond_embedding is None or cond_embedding.ndim != 2):
+            shape = None if cond_embedding is None else list(cond_embedding.shape)
+            raise ValueError(f"the projection discriminator needs (B, P) prompt embeddings, got {shape}")
         h, w = self.grid
         logits = []
-        for head, tokens in zip(self.heads, features):
+        for position, (head, tokens) in enumerate(zip(self.heads, features)):
             batch, count, width = tokens.shape
             if count != h * w:
                 raise ValueError(f"expected {h}×{w} image tokens, got {count}")
             grid = tokens.transpose(1, 2).reshape(batch, width, h, w)
             dtype = next(head.parameters()).dtype
-            logits.append(head(grid.to(dtype)).flatten(1).mean(dim=1).float())
+            phi = head[:-1](grid.to(dtype))  # (B, C, 1, 1): the whole grid reduced to one feature vector
+            logit = head[-1](phi).flatten(1).mean(dim=1)
+            if self.projections is not None:
+                embedded = self.projections[position](cond_embedding.to(device=phi.device, dtype=dtype))
+                logit = logit + (embedded * phi.flatten(1)).sum(dim=1)
+            logits.append(logit.float())
         return torch.stack(logits).mean(dim=0)
 
 
@@ -146,8 +194,9 @@ def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Modu
     if not (hasattr(family, "image_tokens") and hasattr(family, "token_grid")):
         raise ValueError(f"the {family.name} family exposes no image tokens; the DMD2 GAN head needs a DiT family")
     indices = feature_blocks(args, len(family.blocks(critic)))
+    cond_dim = critic.config.pooled_projection_dim if getattr(args, "dmd2_gan_projection", False) else None
     head = DiscriminatorHead(critic.config.num_attention_heads * critic.config.attention_head_dim,
-                             family.token_grid(critic), num_features=len(indices))  # fmt: skip
+                             family.token_grid(critic), num_features=len(indices), cond_dim=cond_dim)  # fmt: skip
     # The tap lives on the head: the loss and scoring hooks find it through ctx.models["disc_head"].
     head.tap = FeatureTap(family, critic, indices)
     return {DISC_HEAD: head}
@@ -173,7 +222,53 @@ def discriminator_logits(
     ``x0`` and to the critic and head parameters (as they require)."""
     head = ctx.models[DISC_HEAD]
     ctx.predict_velocity(ctx.models["transformer"], noised(x0, sigma, noise), timestep, cond)
-    return head(head.tap.features)
+    return head(head.tap.features, pooled_embedding(head, cond))
+
+
+def pooled_embedding(head: nn.Module, cond: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The prompt embeddings a projection head reads (``cond[POOLED_COND_KEY]``), None for a head without one.
+
+    Raises:
+        ValueError: when the head projects but the cond has no pooled embedding.
+    """
+    if getattr(head, "projections", None) is None:
+        return None
+    if POOLED_COND_KEY not in cond:
+        raise ValueError(
+            f"--dmd2-gan-projection reads the prompt's pooled embedding cond[{POOLED_COND_KEY!r}], but the family's "
+            f"cond has only {sorted(cond)}"
+        )
+    return cond[POOLED_COND_KEY]
+
+
+def mismatched_rows(cond: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row j of a batch's cond, the first other row k (j + 1, j + 2, ... cyclically) whose cond differs
+    from j's: the prompt a matching-aware discriminator shows with j's real image (Reed et al. 2016, GAN-CLS).
+
+    Args:
+        cond: collated cond, each value ``(B, ...)``.
+
+    Returns:
+        ``(rows int64 (B,), valid bool (B,))``: ``valid[j]`` is False (and ``rows[j] = j``) when every row holds
+        j's prompt, so no mismatched prompt exists in the batch.
+    """
+    flat = torch.cat([value.flatten(1).float() for _, value in sorted(cond.items())], dim=1)
+    batch = len(flat)
+    rows, valid = list(range(batch)), [False] * batch
+    for j in range(batch):
+        for step in range(1, batch):
+            k = (j + step) % batch
+            if not torch.equal(flat[k], flat[j]):
+                rows[j], valid[j] = k, True
+                break
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(valid)
+
+
+def approximate_r1(logits_real: torch.Tensor, logits_perturbed: torch.Tensor) -> torch.Tensor:
+    """Per pair ``(D(x_real) − D(x_real + α·ε))²`` (float32 ``(B,)``): FastGen's approximate R1 (its mean-squared
+    ``gan_loss_ar1``), whose expectation over ε is ``α²·‖∇_x D(x_real)‖² + O(α³)`` (Mescheder et al. 2018's R1
+    without the double backward)."""
+    return (logits_real.float() - logits_perturbed.float()).pow(2)
 
 
 def noised(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
