@@ -208,6 +208,11 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     for flag, used in gan_only.items():
         if used and not gan_enabled(args):
             reject(f"{flag} changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it")
+    if args.dmd2_gan_mismatch_weight > 0 and args.micro_batch_size < 2:
+        reject(
+            "--dmd2-gan-mismatch-weight shows each real with another real's prompt from its micro-batch: set "
+            f"--micro-batch-size >= 2 (got {args.micro_batch_size})"
+        )
     if args.dmd2_gan_eval_real_data and not args.eval_interval:
         reject("--dmd2-gan-eval-real-data is read at evaluations only: set --eval-interval, or remove it")
 
