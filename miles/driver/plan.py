@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from miles.driver.memory_plan import log_memory_plan
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
 from miles.utils.trainer_config import compute_trainer_args
@@ -52,8 +53,9 @@ def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
 
 
 def log_plan(args) -> None:
-    """Log the trainer groups, their placement, the work per rank and the schedule, without starting Ray."""
-    from miles.backends.fsdp_utils.checkpoint import read_latest
+    """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
+    starting Ray."""
+    from miles.driver.run_dir import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
     configs = compute_trainer_configs(args)
@@ -68,7 +70,10 @@ def log_plan(args) -> None:
         len(configs),
     )
     if args.train_only:
-        logger.info("rollout: none (--train-only): each actor rank reads its share of the data")
+        readers = (
+            f"each of the {args.rollout_num_gpus} engine replicas" if args.rollout_num_gpus else "each actor rank"
+        )
+        logger.info("rollout: none (--train-only): %s reads its share of the data", readers)
     elif args.rollout_num_gpus:
         logger.info(
             "rollout: %d dedicated engine replicas, each generating %d DP shards",
@@ -113,3 +118,4 @@ def log_plan(args) -> None:
         saves,
         args.save_hf,
     )
+    log_memory_plan(args)

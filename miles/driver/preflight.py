@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from miles.utils.validation import flag, reject
+from miles.utils.validation import reject
 
 __all__ = ["HOOK_FLAGS", "validate_inputs"]
 
@@ -22,6 +22,7 @@ HOOK_FLAGS = (
     "custom_loss_function_path",
     "custom_train_output_function_path",
     "custom_build_modules_path",
+    "custom_trainer_path",
     "diffusion_step_strategy_path",
     "eval_function_path",
 )
@@ -126,7 +127,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     seconds on one line instead of inside a Ray worker (or, for ``--eval-function-path``, after the training).
 
     - every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, ``--eval-function-path``) imports
-      and names a callable;
+      and names a callable; ``--diffusion-model-family`` is a registered name or imports a complete family class;
     - ``--load`` holds a complete newest checkpoint;
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
       ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
@@ -149,6 +150,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     from miles.utils.trainer_config import compute_trainer_args
 
     group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
+    if args.diffusion_model_family:
+        from miles.models import family_class
+
+        try:
+            family_class(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
     for name in HOOK_FLAGS:
         if getattr(args, name, None) == "":
             # An empty value would otherwise fall back to nothing, or to the method's hook, silently.
@@ -160,7 +168,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
                 except ValueError as exc:
                     reject(f"--{name.replace('_', '-')}: {exc}")
     if args.load:
-        from miles.backends.fsdp_utils.checkpoint import resume_rollout
+        from miles.driver.run_dir import resume_rollout
 
         load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
         try:
@@ -190,13 +198,12 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
         _check_inline_images(args, records)
     if args.eval_interval and args.eval_prompt_data:
         _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
-    real_data = get_method(args).real_data(args)
-    if real_data:
-        # Named by the method's flag that holds it (--dmd2-gan-real-data).
-        name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
-        _check_real_data(args, flag(name), real_data)
+    side_inputs = get_method(args).side_inputs(args)
+    for side in side_inputs:
+        _check_real_data(args, side.flag, side.path)
+    # The GAN's held-out reals, read at evaluations only (not a side input: no record per sample).
     eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)
-    if real_data and args.eval_interval and eval_real_data:
+    if side_inputs and args.eval_interval and eval_real_data:
         _check_real_data(args, "--dmd2-gan-eval-real-data", eval_real_data)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)

@@ -11,24 +11,15 @@ import logging
 import struct
 from pathlib import Path
 
+from miles.models.base import DENOISER
 from miles.utils.validation import reject
 
 __all__ = ["check_compatible", "check_weights", "denoiser_numel", "safetensors_header"]
 
 logger = logging.getLogger(__name__)
 
-DENOISER = "transformer"
 # Bytes per element of the safetensors dtypes a denoiser is stored in.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
-# Transformer config keys the teacher and the critic must share with the student: they take the student's latents
-# (channels, size) and its prompt encodings (text width, pooled width).
-COMPATIBLE_KEYS = {
-    "in_channels": "latent channels",
-    "out_channels": "output channels",
-    "sample_size": "latent sample size",
-    "joint_attention_dim": "text-encoder width",
-    "pooled_projection_dim": "pooled text width",
-}
 
 
 def safetensors_header(path: Path) -> dict:
@@ -105,23 +96,17 @@ def check_weights(flag: str, pipeline: str) -> None:
             )
 
 
-def _signature(pipeline: str, family) -> dict:
-    config_path = Path(pipeline) / DENOISER / "config.json"
+def _signature(flag: str, pipeline: str, family) -> dict:
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        reject(f"cannot read {config_path} ({exc})")
-    signature = {key: config.get(key) for key in COMPATIBLE_KEYS}
-    text_config = getattr(family, "text_config", None)
-    if text_config is not None:
-        # The digits family encodes prompts to this many tokens; the teacher learnt them at that length.
-        signature["max_length"] = text_config(pipeline).get("max_length")
-    return signature
+        return family.compatibility_signature(pipeline)
+    except (OSError, ValueError, KeyError) as exc:
+        reject(f"{flag} {pipeline}: cannot read the {family.name} family's compatibility figures ({exc})")
 
 
 def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]]) -> None:
     """The teacher and the critic take the student's latents and prompt encodings: their denoisers must share the
-    student's (the first pipeline's) family, latent channels and size, text-encoder width and token length.
+    student's (the first pipeline's) family and the figures of its ``compatibility_signature`` (for SD3: latent
+    channels and size, text-encoder widths; digits adds the token length).
 
     Args:
         pipelines: ``(flag, path)`` of every group's pipelines, the student's ``--hf-checkpoint`` first.
@@ -135,7 +120,7 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
     if not others:
         return
     family = get_model_family(student, args.diffusion_model_family)
-    reference = _signature(student, family)
+    reference = _signature(student_flag, student, family)
     for other_flag, other in others:
         other_family = get_model_family(other, args.diffusion_model_family)
         if other_family.name != family.name:
@@ -143,11 +128,10 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
                 f"{other_flag} {other} is a {other_family.name} pipeline but {student_flag} {student} is "
                 f"{family.name}; every group must use the student's model family"
             )
-        signature = _signature(other, other_family)
-        for key, value in signature.items():
-            if value != reference.get(key):
-                what = COMPATIBLE_KEYS.get(key, "text token length")
+        signature = _signature(other_flag, other, other_family)
+        for label, value in signature.items():
+            if value != reference.get(label):
                 reject(
-                    f"{other_flag} {other} does not fit {student_flag} {student}: {what} ({key}) {value} vs "
-                    f"{reference.get(key)}; it must take the student's latents and prompt encodings"
+                    f"{other_flag} {other} does not fit {student_flag} {student}: {label} {value} vs "
+                    f"{reference.get(label)}; it must take the student's latents and prompt encodings"
                 )

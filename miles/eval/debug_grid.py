@@ -21,6 +21,9 @@ Layout (output pixels; ``cell = max H · scale × max W · scale`` over the colu
   right of the cell. A row of zeros stays at the middle colour.
 * Non-finite values (nan, ±inf) of either kind are drawn in :data:`NON_FINITE_RGB` (magenta), which neither a
   digit nor ``RdBu_r`` contains; they are left out of a signed row's scale.
+* **Video** (a 5-D column ``(N, C, F, H, W)``, a video family's latents): each sample's F frames are drawn side by
+  side, left to right in time, as one ``H × F·W`` strip (decoded frames likewise); a signed column's row scale
+  covers all its frames.
 * Every column is brought to the common cell size by nearest-neighbour upscaling (pixel blocks, no smoothing), so
   a gradient in latent resolution lines up with VAE-decoded images; integer ratios are exact pixel repeats.
 """
@@ -59,10 +62,10 @@ def _check_columns(columns: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     first = None
     for name, value in columns.items():
         tensor = torch.as_tensor(value).detach()
-        if tensor.ndim != 4 or not tensor.is_floating_point():
+        if tensor.ndim not in (4, 5) or not tensor.is_floating_point():
             raise ValueError(
-                f"column {name!r}: expected a float tensor (N, C, H, W), got {tensor.dtype} of shape "
-                f"{tuple(tensor.shape)}"
+                f"column {name!r}: expected a float tensor (N, C, H, W) or, for video, (N, C, F, H, W), got "
+                f"{tensor.dtype} of shape {tuple(tensor.shape)}"
             )
         if first is None:
             first = name
@@ -75,6 +78,14 @@ def _check_columns(columns: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             )
         checked[name] = tensor
     return checked
+
+
+def _frame_strip(tensor: torch.Tensor) -> torch.Tensor:
+    """``(N, C, F, H, W)`` → ``(N, C, H, F·W)``, the frames side by side; a 4-D tensor is returned as it is."""
+    if tensor.ndim == 4:
+        return tensor
+    n, c, f, h, w = tensor.shape
+    return tensor.permute(0, 1, 3, 2, 4).reshape(n, c, h, f * w)
 
 
 def _unit_pixels(tensor: torch.Tensor) -> np.ndarray:
@@ -100,6 +111,10 @@ def _decoded(name: str, tensor: torch.Tensor, decode: Callable[[torch.Tensor], A
     if hasattr(images, "detach"):
         images = images.detach().cpu().numpy()
     images = np.asarray(images)
+    if images.ndim == 5 and tensor.ndim == 5:
+        # decoded video (N, F, H', W', C) → the frames side by side (N, H', F·W', C)
+        n, f, h, w, c = images.shape
+        images = images.transpose(0, 2, 1, 3, 4).reshape(n, h, f * w, c)
     if images.ndim == 3:
         images = images[..., None]
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3) or len(images) != len(tensor):
@@ -143,12 +158,13 @@ def render_dmd2_debug_grid(
     """Draw the grid (see the module docstring) and return it as an RGB PIL image.
 
     Args:
-        columns: column name → float tensor of shape ``(N, C, H, W)`` (any float dtype or device), drawn left to
-            right in this order; every column has the same N (one row per sample). H and W may differ between
-            columns (latent-resolution g beside decoded images).
+        columns: column name → float tensor of shape ``(N, C, H, W)`` or, for video, ``(N, C, F, H, W)`` (any
+            float dtype or device), drawn left to right in this order; every column has the same N (one row per
+            sample). H and W may differ between columns (latent-resolution g beside decoded images).
         signed: names of the columns drawn as signed heatmaps; names not in ``columns`` are ignored.
-        decode: ``latents (N, C, H, W) → uint8 (N, H', W', 3 or 1)``, applied to every image column (not to the
-            signed ones); None reads image columns as pixels in ``[-1, 1]``.
+        decode: ``latents (N, C, H, W) → uint8 (N, H', W', 3 or 1)`` (video: ``(N, C, F, H, W) → (N, F, H', W',
+            3 or 1)``), applied to every image column (not to the signed ones); None reads image columns as pixels
+            in ``[-1, 1]``.
         scale: integer nearest-neighbour upscaling factor (≥ 1) of the largest column; default
             ``max(1, 64 // largest side)``. Smaller columns are upscaled further to the same cell size.
         titles: draw the header row of column names and each signed row's ``±max |·|``; False draws pixels only.
@@ -159,9 +175,9 @@ def render_dmd2_debug_grid(
         ``(spacing + len(columns) · (cell_w + spacing)) × (spacing + N · (cell_h + spacing))`` pixels.
 
     Raises:
-        ValueError: naming the column, for a tensor that is not float 4-D, a column whose N differs from the first
-            column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0, or a
-            ``scale`` below 1 / negative ``spacing``.
+        ValueError: naming the column, for a tensor that is not float 4-D or 5-D, a column whose N differs from the
+            first column's, or a ``decode`` result that is not uint8 ``(N, H', W', 1 or 3)``; for no columns, N = 0,
+            or a ``scale`` below 1 / negative ``spacing``.
     """
     if (scale is not None and scale < 1) or spacing < 0:
         raise ValueError(f"scale={scale} must be >= 1 (or None) and spacing={spacing} >= 0")
@@ -171,11 +187,11 @@ def render_dmd2_debug_grid(
         row_scales: dict[str, list[float]] = {}
         for name, tensor in tensors.items():
             if name in signed:
-                drawn[name], row_scales[name] = _signed(tensor)
+                drawn[name], row_scales[name] = _signed(_frame_strip(tensor))
             elif decode is not None:
                 drawn[name] = _decoded(name, tensor, decode)
             else:
-                drawn[name] = _unit_pixels(tensor)
+                drawn[name] = _unit_pixels(_frame_strip(tensor))
 
     height = max(pixels.shape[1] for pixels in drawn.values())
     width = max(pixels.shape[2] for pixels in drawn.values())

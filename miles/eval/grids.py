@@ -175,7 +175,8 @@ def save_image_grid(
     The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_labelled_grid` it needs no labels.
 
     Args:
-        images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255.
+        images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255; a video family's
+            ``[N, F, H, W, C]`` is drawn as one strip of its F frames side by side per cell.
         per_row: images per row (≥ 1).
         scale: nearest-neighbour upscaling factor; default makes small images (digits' 8×8) about 48 pixels wide.
         spacing: background pixels around and between cells.
@@ -187,6 +188,9 @@ def save_image_grid(
         ValueError: for an empty batch or a non-positive ``per_row``.
     """
     pixels = np.asarray(images.numpy() if hasattr(images, "numpy") else images)
+    if pixels.ndim == 5:
+        n, frames, height, width, channels = pixels.shape
+        pixels = pixels.transpose(0, 2, 1, 3, 4).reshape(n, height, frames * width, channels)
     if pixels.ndim == 3:
         pixels = pixels[..., None]
     if len(pixels) == 0 or per_row < 1:

@@ -30,10 +30,12 @@ import torch
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
 from miles.backends.fsdp_utils.loss_hub import gan, scoring_sigma
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
+from miles.utils.types import SideInput
 from miles.utils.validation import check_number, dp_size, reject, rollout_pairs
 
 __all__ = [
@@ -74,7 +76,7 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
     import ray
 
     from miles.eval.debug_grid import save_dmd2_debug_grid
-    from miles.models import get_model_family
+    from miles.models import PixelCodec, get_model_family, supports
     from miles.ray.actor_group import split_shard
     from miles.rollout.data_source import make_prompt_shard
     from miles.rollout.engine import data_base_dir
@@ -96,7 +98,8 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
 
     student = torch.stack([pair.x0 for pair in pairs]).float()
     real, fake = column("x0_real"), column("x0_fake")
-    normalizer = (student - real).abs().mean(dim=(1, 2, 3), keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
+    dims = tuple(range(1, student.ndim))  # every latent axis: (C, H, W), or (C, F, H, W) for video
+    normalizer = (student - real).abs().mean(dim=dims, keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
     columns = {
         "x_i": torch.stack([pair.latent for pair in pairs]).float(),
         "x0 student": student,
@@ -108,7 +111,8 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
         columns["g_gan"] = column("g_gan")
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
-    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=family.latents_to_images)
+    decode = family.latents_to_images if supports(family, PixelCodec) else None  # else raw latents as pixels
+    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=decode)
 
 
 def _int_list(text: str) -> list[int]:
@@ -235,6 +239,7 @@ class DMD2Method(Method):
     description = "distribution matching distillation: critic (fake score) group, then the student"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        # One add_argument call per flag, shaped like the generic ones (miles/driver/arguments.py).
         group = parser.add_argument_group(
             "DMD2",
             "Distribution matching distillation (Yin et al. 2024). LoRA, teacher adapters and a reference model are "
@@ -402,8 +407,14 @@ class DMD2Method(Method):
             critic.update(DMD2_GAN_CRITIC_HOOKS)
         return [TrainerConfig("critic", critic), TrainerConfig("actor", {"teacher_load": None})]
 
-    def real_data(self, args: argparse.Namespace) -> str | None:
-        return args.dmd2_gan_real_data if gan_enabled(args) else None
+    def settings(self, args: argparse.Namespace) -> DMD2Settings:
+        return DMD2Settings.from_args(args)
+
+    def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
+        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``)."""
+        if not gan_enabled(args):
+            return []
+        return [SideInput(REAL_DATA, args.dmd2_gan_real_data, "--dmd2-gan-real-data")]
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """The student's few-step schedule and the teacher's CFG scale it was distilled from."""
@@ -426,6 +437,18 @@ class DMD2Method(Method):
         from miles.methods.dmd2_disc_eval import disc_quality
 
         return disc_quality(args, groups)
+
+    def train_forward_batch(self, group_args: argparse.Namespace) -> int:
+        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
+        plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
+        (``--dmd2-gan-r1-weight``)."""
+        gan_critic = (
+            group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
+        )
+        if not gan_critic:
+            return group_args.micro_batch_size
+        rows = 3 + (group_args.dmd2_gan_mismatch_weight > 0) + (group_args.dmd2_gan_r1_weight > 0)
+        return rows * group_args.micro_batch_size
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:

@@ -50,7 +50,11 @@ def wrong_prompts(prompts: list[str]) -> list[str]:
 
 
 def _rank_shards(records: list[dict], world_size: int, input_key: str, base_dir: str) -> tuple[list, int]:
+    """``records`` split into ``world_size`` equal contiguous shards (the last record repeated to fill them), each
+    record also its own sample's real side input (``pair.extras[REAL_DATA]``)."""
+    from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA
     from miles.rollout.data_source import make_prompt_shard
+    from miles.utils.types import SideRecords
 
     size = -(-len(records) // world_size)
     pad = size * world_size - len(records)
@@ -62,8 +66,7 @@ def _rank_shards(records: list[dict], world_size: int, input_key: str, base_dir:
             input_key=input_key,
             first_prompt_index=i * size,
             base_dir=base_dir,
-            real_records=padded[i * size : (i + 1) * size],
-            real_base_dir=base_dir,
+            side_data={REAL_DATA: SideRecords(padded[i * size : (i + 1) * size], base_dir)},
         )
         for i in range(world_size)
     ]
@@ -84,7 +87,7 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     """The discriminator's figures on ``--dmd2-gan-eval-real-data`` (see the module docstring).
 
     Args:
-        args: run args; reads ``dmd2_gan_eval_real_data`` and ``input_key``.
+        args: run args; reads the DMD2 settings' ``gan_eval_real_data`` and ``input_key``.
         groups: ``{"actor": RayTrainGroup, "critic": RayTrainGroup}``; the actor generates the fakes (and encodes
             the prompts), the critic's train-output hook scores (with the GAN head, it returns ``gan_logit_fake``).
 
@@ -98,10 +101,11 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     import ray
     from sklearn.metrics import roc_auc_score
 
+    from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, dmd2_settings
     from miles.rollout.engine import data_base_dir
     from miles.utils.types import Box
 
-    path = args.dmd2_gan_eval_real_data
+    path = dmd2_settings(args).gan_eval_real_data
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:
@@ -122,8 +126,13 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     wrong, _ = generate(swapped)
 
     def as_real(pairs_per_rank: list[list]) -> list[list]:
+        # Each pair's real side sample in its place: its clean latent, with its own (right or wrong) prompt's cond.
         return [
-            [dataclasses.replace(p, x0=p.real_x0, pos_cond=p.real_cond) for p in pairs] for pairs in pairs_per_rank
+            [
+                dataclasses.replace(p, x0=p.extras[REAL_DATA].x0, pos_cond=p.extras[REAL_DATA].env.pos_cond)
+                for p in pairs
+            ]
+            for pairs in pairs_per_rank
         ]
 
     keep = len(records)

@@ -1,47 +1,28 @@
 """Model families: how to load, condition and run one kind of diffusers pipeline.
 
-``get_model_family(path)`` picks the family from the pipeline's ``model_index.json`` (``--diffusion-model-family``
-overrides it). Families are imported lazily so that ``python -m miles.models.digits`` and light imports stay fast.
+``get_model_family(path)`` picks the family from the pipeline's ``model_index.json`` among the registered ones
+(``--diffusion-model-family`` overrides it with a registered name or a dotted path to a family class; see
+:mod:`miles.models.registry`). What a family must implement is :class:`ModelFamily`; what it may add is declared
+with the protocols of :mod:`miles.models.capabilities`. Families are imported lazily so that ``python -m
+miles.models.digits`` and light imports stay fast.
 """
 
-from pathlib import Path
+from miles.models.base import DENOISER, ModelFamily, PromptEncoder
+from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures, TrueCFG, require, supports
+from miles.models.registry import family_class, get_model_family, register_family, registered_families
 
-from miles.models.base import ModelFamily, PromptEncoder, read_json
-
-__all__ = ["ModelFamily", "PromptEncoder", "FAMILIES", "get_model_family"]
-
-# model_index.json "_class_name" → family name
-PIPELINE_CLASSES = {"StableDiffusion3Pipeline": "sd3", "DigitsPipeline": "digits"}
-FAMILIES = ("sd3", "digits")
-
-
-def get_model_family(path: str | Path, override: str | None = None) -> ModelFamily:
-    """Return the family instance for the pipeline directory ``path``.
-
-    Args:
-        path: a diffusers pipeline directory (``--hf-checkpoint``).
-        override: ``"sd3"`` or ``"digits"`` (``--diffusion-model-family``); None reads ``model_index.json``.
-
-    Raises:
-        ValueError: on an unknown override or an unsupported ``_class_name``.
-        FileNotFoundError: when ``path/model_index.json`` is missing and no override is given.
-    """
-    name = override
-    if name is None:
-        model_index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
-        class_name = model_index.get("_class_name")
-        name = PIPELINE_CLASSES.get(class_name)
-        if name is None:
-            raise ValueError(
-                f"{path}/model_index.json has _class_name {class_name!r}; supported pipelines are "
-                f"{sorted(PIPELINE_CLASSES)} (or pass --diffusion-model-family {{{','.join(FAMILIES)}}})"
-            )
-    if name == "sd3":
-        from miles.models.sd3 import SD3Family
-
-        return SD3Family(path)
-    if name == "digits":
-        from miles.models.digits import DigitsFamily
-
-        return DigitsFamily(path)
-    raise ValueError(f"--diffusion-model-family {name!r} is unknown; choose one of {list(FAMILIES)}")
+__all__ = [
+    "DENOISER",
+    "EmbeddedGuidance",
+    "ModelFamily",
+    "PixelCodec",
+    "PromptEncoder",
+    "TokenFeatures",
+    "TrueCFG",
+    "family_class",
+    "get_model_family",
+    "register_family",
+    "registered_families",
+    "require",
+    "supports",
+]

@@ -1,22 +1,40 @@
 """What every model family gives the engine and the trainers: the ``ModelFamily`` protocol.
 
 A family wraps one kind of diffusers pipeline directory (``sd3``, ``digits``): it loads the denoiser and the text
-encoder, turns prompts into the denoiser's cond kwargs, converts between pixel images and latents, runs one
-forward and names the blocks FSDP shards one by one. A new family (FLUX, Wan, ...) implements these methods; nothing
-else in miles knows which denoiser class or cond keys a family uses.
+encoder, turns prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one
+and says which config figures a teacher or critic must share with the student. What a family can do beyond that
+is declared by subclassing the capability protocols of :mod:`miles.models.capabilities` (its guidance form, a
+pixel codec, a feature tap for the DMD2 GAN head). A new family (FLUX, Wan, ...) subclasses these protocols and
+registers itself (:mod:`miles.models.registry`); nothing else in miles knows which denoiser class or cond keys a
+family uses.
+
+Latents have any rank: one sample is ``(C, H, W)`` for an image family and ``(C, F, H, W)`` for a video family
+(F frames); a batch adds a leading B. The engine, the trainers and the hooks only ever use the leading batch dim.
 
 Velocity convention (diffusers SD3, torchtitan Flux): ``x_σ = (1 − σ)·x0 + σ·ε``; the denoiser's output is the
 velocity ``v = ε − x0`` at ``timestep = σ · num_train_timesteps`` (σ ∈ [0, 1], timestep ∈ [0, 1000]).
 """
 
 import json
+from abc import abstractmethod
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["ModelFamily", "PromptEncoder", "encode_one_prompt", "read_json", "read_scheduler_config"]
+__all__ = [
+    "DENOISER",
+    "ModelFamily",
+    "PromptEncoder",
+    "encode_one_prompt",
+    "read_json",
+    "read_scheduler_config",
+]
+
+# The denoiser's component name: its folder in a diffusers pipeline directory, its key among a trainer group's
+# trainable modules (TrainContext.models, PreparedBatch.component, checkpoints) and among the frozen teacher's.
+DENOISER = "transformer"
 
 
 class PromptEncoder(Protocol):
@@ -31,56 +49,76 @@ class PromptEncoder(Protocol):
 class ModelFamily(Protocol):
     """One kind of pipeline directory. One instance per pipeline (``pipeline_path``).
 
-    Methods that take a ``path`` may be given another pipeline of the same family (the teacher, the critic); the
-    image ↔ latent conversion uses the instance's own pipeline (its VAE, for SD3).
+    A family class subclasses this protocol explicitly, plus exactly one guidance form
+    (:class:`~miles.models.capabilities.TrueCFG` or :class:`~miles.models.capabilities.EmbeddedGuidance`) and
+    the optional capabilities it implements; the methods marked abstract below must be implemented (an instance of
+    a class that misses one cannot be built). Methods that take a ``path`` may be given another pipeline of the
+    same family (the teacher, the critic); instance state (a VAE) belongs to the instance's own pipeline.
+
+    Class attributes:
+        name: the registered name (``--diffusion-model-family NAME``), a Python identifier.
+        pipeline_classes: the ``model_index.json`` ``_class_name`` values this family reads (e.g.
+            ``("StableDiffusion3Pipeline",)``): a pipeline directory finds its family by them.
+        stock_scheduler: whether the ``--save-hf`` export replaces the scheduler with the stock diffusers scheduler
+            of the student's step rule and grid (:func:`miles.models.sampling_schedule.write_sampling_schedule`),
+            so that the family's stock diffusers pipeline samples the student as miles does. False where the
+            export keeps its scheduler and records the student's schedule in ``_miles_*`` keys only.
     """
 
-    name: str
+    name: ClassVar[str]
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    stock_scheduler: ClassVar[bool] = False
     pipeline_path: Path
-    # Whether the --save-hf export replaces the scheduler with the stock diffusers scheduler of the student's step
-    # rule and grid (miles.models.sampling_schedule.write_sampling_schedule), so that the family's stock diffusers
-    # pipeline samples the student as miles does. False where miles' own pipeline class samples the export.
-    stock_scheduler: bool
 
+    def __init__(self, pipeline_path: str | Path) -> None:
+        self.pipeline_path = Path(pipeline_path)
+
+    @abstractmethod
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The pipeline's denoiser in eval mode on the CPU, in ``dtype``."""
-        ...
+        """The pipeline's denoiser (``<path>/transformer``) in eval mode on the CPU, in ``dtype``."""
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> PromptEncoder:
-        """The pipeline's text encoder(s) in eval mode."""
-        ...
+    @abstractmethod
+    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> Any:
+        """The pipeline's text encoder(s) in eval mode: whatever :meth:`encode_prompts` takes."""
 
-    def encode_prompts(self, encoder: PromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batched cond kwargs of the denoiser's forward (float32, on the CPU), one row per prompt."""
-        ...
+    @abstractmethod
+    def encode_prompts(self, encoder: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batched cond kwargs of the denoiser's forward (float32, on the CPU), one row per prompt; the same prompt
+        gives the same row whatever the batch."""
 
-    def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
-        """The denoiser's latent shape ``(C, H, W)``."""
-        ...
+    @abstractmethod
+    def latent_shape(self, path: str | Path) -> tuple[int, ...]:
+        """One sample's latent shape: ``(C, H, W)`` for an image family, ``(C, F, H, W)`` for a video family."""
 
-    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
-        """The pixel image shape ``(H, W, C)`` whose ``images_to_latents`` is a latent of ``latent_shape``."""
-        ...
+    def text_tokens(self, path: str | Path) -> int:
+        """Text tokens per prompt in the denoiser's cond (the memory planner's sequence length).
 
-    def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
-        """Pixel images ``(B, H, W, C)`` (or ``(B, H, W)``), uint8 or float in 0..255, to float32 latents
-        ``(B, C', H', W')``."""
-        ...
+        Raises:
+            NotImplementedError: for a family that does not say; ``--dry-run`` then skips its memory plan with one
+                warning.
+        """
+        raise NotImplementedError(f"the {self.name} family does not say how many text tokens a prompt takes")
 
-    def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents ``(B, C', H', W')`` to uint8 images ``(B, H, W, C)`` in 0..255."""
-        ...
-
+    @abstractmethod
     def predict_velocity(
         self, denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """One denoiser forward: ``latents`` ``(B, C, H, W)`` at ``timestep`` float ``(B,)`` in [0, 1000] → the
-        velocity ``v`` as float32 ``(B, C, H, W)``. Inputs are cast to the denoiser's device and dtype."""
-        ...
+        """One denoiser forward: ``latents`` ``(B, *latent_shape)`` at ``timestep`` float ``(B,)`` in [0, 1000] →
+        the velocity ``v`` as float32 ``(B, *latent_shape)``. Inputs are cast to the denoiser's device and dtype."""
 
+    @abstractmethod
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
-        ...
+
+    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
+        """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,
+        as ``{label: value}`` (the label names the figure in preflight's error, e.g. ``"latent channels
+        (in_channels)"``): they take the student's latents and its prompt encodings. Default: the latent shape.
+
+        Raises:
+            OSError / ValueError: when a config file the figures come from is missing or unreadable.
+        """
+        return {"latent shape": tuple(self.latent_shape(path))}
 
 
 def encode_one_prompt(family: ModelFamily, encoder: PromptEncoder, prompt: str) -> dict[str, torch.Tensor]:

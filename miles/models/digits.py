@@ -22,10 +22,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from miles.models.base import read_json
+from miles.models.base import DENOISER, read_json
+from miles.models.registry import register_family
 from miles.models.sd3 import SD3Family
 from miles.utils.misc import stable_hash
 
@@ -108,12 +110,14 @@ def _check_pixels(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
+@register_family
 class DigitsFamily(SD3Family):
     """The ``digits`` family: an SD3 transformer over pixel latents ``(1, 8, 8)`` in [-1, 1] (``x = pixel/255·2 −
     1``), conditioned by MiniLM. It shares the SD3 family's denoiser loading, forward and blocks; text and pixels are
     its own (there is no VAE)."""
 
     name = "digits"
+    pipeline_classes = ("DigitsPipeline",)
     # DigitsPipeline samples through miles and reads the _miles_* keys; the scheduler stays the Euler one
     stock_scheduler = False
 
@@ -127,6 +131,17 @@ class DigitsFamily(SD3Family):
         if name != TEXT_ENCODER_NAME:
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
         return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)))
+
+    def text_tokens(self, path: str | Path) -> int:
+        """MiniLM's token states per prompt, padded to ``max_length`` (``digits.json``)."""
+        return int(self.text_config(path).get("max_length", 16))
+
+    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
+        """SD3's figures plus the text token length: the teacher learnt its prompts encoded to that many tokens."""
+        return {
+            **super().compatibility_signature(path),
+            "text token length (max_length)": self.text_config(path).get("max_length"),
+        }
 
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(H, W, C)`` of the pixel latents (no VAE): 8 × 8 × 1."""
@@ -197,13 +212,13 @@ def init_digits_pipeline(out_dir: str | Path, seed: int = 0, **config) -> Path:
             # the default (96) would allocate a 96×96 position table for a 4×4 token grid
             pos_embed_max_size=cfg["sample_size"] // cfg["patch_size"],
         )
-    transformer.save_pretrained(out_dir / "transformer")
+    transformer.save_pretrained(out_dir / DENOISER)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg["num_train_timesteps"], shift=cfg["shift"])
     scheduler.save_pretrained(out_dir / "scheduler")
     model_index = {
         "_class_name": "DigitsPipeline",
         "_diffusers_version": __version__,
-        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        DENOISER: ["diffusers", "SD3Transformer2DModel"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
     }
     (out_dir / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")

@@ -8,15 +8,31 @@ shift_factor)`` with pixels ``x`` in [-1, 1].
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from miles.models.base import read_json
+from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.registry import register_family
 
 __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
 
 logger = logging.getLogger(__name__)
+
+# T5 tokens per prompt: StableDiffusion3Pipeline's default max_sequence_length; CLIP adds its 77.
+T5_TOKENS = 256
+CLIP_TOKENS = 77
+# Transformer config keys the teacher and the critic must share with the student: they take the student's latents
+# (channels, size) and its prompt encodings (text width, pooled width).
+COMPATIBLE_KEYS = {
+    "in_channels": "latent channels",
+    "out_channels": "output channels",
+    "sample_size": "latent sample size",
+    "joint_attention_dim": "text-encoder width",
+    "pooled_projection_dim": "pooled text width",
+}
 
 
 class SD3PromptEncoder:
@@ -44,9 +60,7 @@ class SD3PromptEncoder:
             if not isinstance(model_index.get(name), list) or model_index[name][0] is None
         }
         with init_empty_weights():
-            meta_transformer = SD3Transformer2DModel.from_config(
-                SD3Transformer2DModel.load_config(path / "transformer")
-            )
+            meta_transformer = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(path / DENOISER))
         self.pipe = StableDiffusion3Pipeline.from_pretrained(path, transformer=meta_transformer, vae=None, **absent)
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             module = getattr(self.pipe, name, None)
@@ -77,7 +91,7 @@ def load_sd3_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -
     """
     from diffusers import SD3Transformer2DModel
 
-    folder = Path(path) / "transformer"
+    folder = Path(path) / DENOISER
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no transformer/config.json under pipeline directory {path}")
     return SD3Transformer2DModel.from_pretrained(folder, torch_dtype=dtype).eval()
@@ -85,7 +99,7 @@ def load_sd3_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -
 
 def sd3_latent_shape(path: str | Path) -> tuple[int, int, int]:
     """``(in_channels, sample_size, sample_size)`` of ``<path>/transformer/config.json``."""
-    config = read_json(Path(path) / "transformer" / "config.json", "transformer config")
+    config = read_json(Path(path) / DENOISER / "config.json", "transformer config")
     return (int(config["in_channels"]), int(config["sample_size"]), int(config["sample_size"]))
 
 
@@ -114,19 +128,21 @@ def sd3_velocity(
     return out.float()
 
 
-class SD3Family:
+@register_family
+class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     """Diffusers SD3 / SD3.5 pipelines: ``SD3Transformer2DModel`` over VAE latents, CLIP×2 (+T5) text.
 
-    Implements :class:`miles.models.base.ModelFamily`. Cond kwargs: ``{"encoder_hidden_states": (B, 77 + T5 length,
+    True CFG, a VAE codec, image tokens for the GAN head. Cond kwargs: ``{"encoder_hidden_states": (B, 77 + T5 length,
     joint_attention_dim), "pooled_projections": (B, 2 · CLIP projection)}``.
     """
 
     name = "sd3"
+    pipeline_classes = ("StableDiffusion3Pipeline",)
     # StableDiffusion3Pipeline samples the export: it gets FlowMatchLCMScheduler (dmd2 rule) with the student's grid
     stock_scheduler = True
 
     def __init__(self, pipeline_path: str | Path) -> None:
-        self.pipeline_path = Path(pipeline_path)
+        super().__init__(pipeline_path)
         self._vae = None
 
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -152,6 +168,15 @@ class SD3Family:
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         return sd3_latent_shape(path)
 
+    def text_tokens(self, path: str | Path) -> int:
+        """Text tokens per prompt the denoiser attends to: 77 CLIP + 256 T5 (T5 padded to its length)."""
+        return CLIP_TOKENS + T5_TOKENS
+
+    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
+        """The transformer config keys of :data:`COMPATIBLE_KEYS`, labelled ``"latent channels (in_channels)"``."""
+        config = read_json(Path(path) / DENOISER / "config.json", "transformer config")
+        return {f"{what} ({key})": config.get(key) for key, what in COMPATIBLE_KEYS.items()}
+
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(S·f, S·f, C)``: the transformer's ``sample_size`` S times the VAE's downscale factor ``f =
         2^(len(block_out_channels) − 1)`` (the pipeline's ``vae_scale_factor``; 8 for SD3), C the VAE's
@@ -175,10 +200,15 @@ class SD3Family:
         (the DMD2 GAN head's features)."""
         return block_output[1]
 
-    def token_grid(self, denoiser: nn.Module) -> tuple[int, int]:
-        """The patch grid ``(h, w)`` of the image tokens: ``sample_size / patch_size`` per side."""
-        side = int(denoiser.config.sample_size) // int(denoiser.config.patch_size)
-        return side, side
+    def token_grid(self, denoiser: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, int]:
+        """The patch grid ``(h, w)`` of the image tokens: the latent's ``(H, W)`` over ``patch_size``."""
+        patch = int(denoiser.config.patch_size)
+        _, height, width = latent_shape
+        return height // patch, width // patch
+
+    def token_width(self, denoiser: nn.Module) -> int:
+        """``num_attention_heads · attention_head_dim``, the joint blocks' token width."""
+        return int(denoiser.config.num_attention_heads) * int(denoiser.config.attention_head_dim)
 
     @property
     def vae(self):

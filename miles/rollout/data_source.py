@@ -3,22 +3,27 @@
 Each line is a JSON object with the prompt under ``--input-key`` and any other fields (``{"prompt": "a handwritten
 digit 7", "label": 7, "image": [[0, ...], ...]}``). SFT records carry a clean image under ``--image-key``: a nested
 list of ints 0..255 of shape ``(H, W)`` or ``(H, W, C)``, or a path (absolute, or relative to the JSONL file) to a
-``.npy`` or ``.png`` file; ``load_image_latent`` turns it into the family's latent.
+``.npy`` or ``.png`` file; ``load_image_latent`` turns it into the family's latent (a family with a pixel codec).
+Records may instead name a latent file under ``--latent-key`` (any family; images ``(C, H, W)``, video
+``(C, F, H, W)``).
 """
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from miles.models.capabilities import PixelCodec, require
 from miles.utils.misc import make_generator
-from miles.utils.types import PromptShard
+from miles.utils.types import PromptShard, SideRecords
 
 __all__ = [
     "JsonlPromptSource",
+    "jsonl_values",
     "load_image",
     "load_image_latent",
     "load_latent_file",
@@ -28,6 +33,25 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def jsonl_values(path: str | Path, where: str = "", error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of a JSONL file, in order (the prompt source, the prompt
+    cache and the image encoder read their files through it).
+
+    Raises:
+        error: ``"<where> <path>:<line> is not valid JSON (...)"``, for a line that does not parse.
+    """
+    prefix = f"{where} " if where else ""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{prefix}{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+            yield line_no, value
 
 
 class JsonlPromptSource:
@@ -68,20 +92,12 @@ class JsonlPromptSource:
         if not self.path.is_file():
             raise FileNotFoundError(f"{flag} {self.path} does not exist")
         self.records: list[dict[str, Any]] = []
-        with open(self.path) as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{flag} {self.path}:{line_no} is not valid JSON ({exc})") from exc
-                if not isinstance(record, dict) or input_key not in record:
-                    raise ValueError(
-                        f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
-                        "prompt's field"
-                    )
-                self.records.append(record)
+        for line_no, record in jsonl_values(self.path, flag):
+            if not isinstance(record, dict) or input_key not in record:
+                raise ValueError(
+                    f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the prompt's field"
+                )
+            self.records.append(record)
         if not self.records:
             raise ValueError(f"{flag} {self.path} holds no records")
         self.epoch = 0
@@ -178,19 +194,21 @@ def load_image_latent(
     expected_shape: tuple[int, ...] | None = None,
     where: str | None = None,
 ) -> torch.Tensor:
-    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``).
+    """A record's image as the family's clean latent: float32 ``(C, H, W)`` (``family.images_to_latents``, which a
+    family declares with :class:`miles.models.capabilities.PixelCodec`).
 
     Args:
         expected_shape: the denoiser's latent shape (``family.latent_shape``); an image of another size is rejected.
         where: names the record in errors, e.g. ``"--prompt-data data.jsonl record 7 (prompt 'a 7')"``.
 
     Raises:
-        ValueError: on a bad image (see :func:`load_image`) or a latent of another shape; the message starts with
-            ``where``.
+        ValueError: on a bad image (see :func:`load_image`), a latent of another shape or a family without a pixel
+            codec; the message starts with ``where``.
         FileNotFoundError: if the image path does not exist.
     """
     prefix = f"{where}: " if where else ""
     try:
+        require(family, PixelCodec, "an image record (give a latent file under --latent-key instead)")
         latent = family.images_to_latents(load_image(value, base_dir).unsqueeze(0))[0]
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{prefix}{exc}") from exc
@@ -205,12 +223,12 @@ def load_image_latent(
 
 
 def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
-    """A stored latent ``(C, H, W)`` as float32: a ``.safetensors`` file with one tensor (or a tensor named
-    ``latent``), or a float ``.npy`` array.
+    """A stored latent ``(C, H, W)`` (video: ``(C, F, H, W)``) as float32: a ``.safetensors`` file with one tensor
+    (or a tensor named ``latent``), or a float ``.npy`` array.
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3.
+        ValueError: on another suffix, an unreadable file, several unnamed tensors or a rank other than 3 or 4.
     """
     prefix = f"{where}: " if where else ""
     path = Path(path)
@@ -237,8 +255,11 @@ def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
         latent = torch.from_numpy(array)
     else:
         raise ValueError(f"{prefix}latent file {path} must be .safetensors or .npy")
-    if latent.ndim != 3:
-        raise ValueError(f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W)")
+    if latent.ndim not in (3, 4):
+        raise ValueError(
+            f"{prefix}latent file {path} holds shape {tuple(latent.shape)}; a latent is (C, H, W) or, for video, "
+            "(C, F, H, W)"
+        )
     return latent.float()
 
 
@@ -250,16 +271,15 @@ def load_record_latent(
     expected_shape: tuple[int, ...] | None = None,
     where: str | None = None,
 ) -> torch.Tensor:
-    """A data record's clean latent, float32 ``(C, H, W)``: its ``--latent-key`` file when it has one (already in
-    latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
+    """A data record's clean latent, float32 of the family's latent shape: its ``--latent-key`` file when it has
+    one (already in latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
     ``--image-key`` image turned into a latent by the family.
 
     Raises:
         ValueError / FileNotFoundError: naming ``where``, for a record with neither field, a bad file or a latent
             of another shape than ``expected_shape``.
     """
-    latent_key = getattr(args, "latent_key", "latent")
-    image_key = getattr(args, "image_key", "image")
+    latent_key, image_key = args.latent_key, args.image_key
     prefix = f"{where}: " if where else ""
     if isinstance(record.get(latent_key), str):
         latent = load_latent_file(Path(base_dir) / record[latent_key], where=where or "")
@@ -285,12 +305,11 @@ def make_prompt_shard(
     n_samples_per_prompt: int = 1,
     first_prompt_index: int = 0,
     base_dir: str | Path = ".",
-    real_records: list[dict[str, Any]] | None = None,
-    real_base_dir: str | Path = ".",
+    side_data: dict[str, SideRecords] | None = None,
 ) -> PromptShard:
     """The ``PromptShard`` of ``records`` (one per prompt), each repeated for its ``n_samples_per_prompt`` samples;
-    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``. ``real_records``
-    (one per sample, or None) are real data samples dealt beside them."""
+    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``. ``side_data`` (one
+    record per sample, by side-input name) are a method's side inputs dealt beside them."""
     n = n_samples_per_prompt
     return PromptShard(
         rollout_id=rollout_id,
@@ -298,8 +317,7 @@ def make_prompt_shard(
         prompts=[str(record[input_key]) for record in records for _ in range(n)],
         records=[record for record in records for _ in range(n)],
         base_dir=str(base_dir),
-        real_records=real_records,
-        real_base_dir=str(real_base_dir),
+        side_data=dict(side_data or {}),
     )
 
 

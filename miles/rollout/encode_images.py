@@ -23,7 +23,6 @@ factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smalle
 than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
 """
 
-import argparse
 import json
 import logging
 import sys
@@ -33,7 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+from miles.rollout.data_source import jsonl_values
+from miles.rollout.offline_files import (
+    OfflineDataError,
+    command_parser,
+    ensure_writable_dir,
+    replace_text,
+    run_command,
+    save_tensors,
+)
 
 __all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
 
@@ -76,23 +83,16 @@ def read_captions(path: str | Path) -> dict[str, str]:
     if not path.is_file():
         raise OfflineDataError(f"captions file {path} does not exist")
     captions: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
-            if not (
-                isinstance(record, dict)
-                and isinstance(record.get("file_name"), str)
-                and isinstance(record.get("prompt"), str)
-            ):
-                raise OfflineDataError(f'{path}:{line_no} must be {{"file_name": "<image file>", "prompt": "<text>"}}')
-            if record["file_name"] in captions:
-                raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
-            captions[record["file_name"]] = record["prompt"]
+    for line_no, record in jsonl_values(path, error=OfflineDataError):
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("file_name"), str)
+            and isinstance(record.get("prompt"), str)
+        ):
+            raise OfflineDataError(f'{path}:{line_no} must be {{"file_name": "<image file>", "prompt": "<text>"}}')
+        if record["file_name"] in captions:
+            raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
+        captions[record["file_name"]] = record["prompt"]
     return captions
 
 
@@ -171,6 +171,7 @@ def encode_image_folder(
     prompt: str | None = None,
     batch_size: int = 8,
     progress: bool | None = None,
+    family_name: str | None = None,
 ) -> dict[str, Any]:
     """Fit, caption and encode every image of ``image_dir``; write the latent records to ``out_dir``.
 
@@ -186,6 +187,9 @@ def encode_image_folder(
         prompt: the caption of images without one.
         batch_size: images per ``images_to_latents`` call.
         progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
+        family_name: a registered family name or a dotted path to a family class (the trainer's
+            ``--diffusion-model-family``); None reads ``model_index.json``. The family needs a pixel codec
+            (:class:`miles.models.capabilities.PixelCodec`).
 
     Returns:
         the manifest written to ``encode_images.json``: ``{"pipeline", "family", "image_dir", "image_shape",
@@ -197,7 +201,7 @@ def encode_image_folder(
     """
     from tqdm import tqdm
 
-    from miles.models import get_model_family
+    from miles.models import PixelCodec, get_model_family, require
 
     if batch_size < 1:
         raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
@@ -205,7 +209,8 @@ def encode_image_folder(
     if not pipeline.is_dir():
         raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
     try:
-        family = get_model_family(pipeline)
+        family = get_model_family(pipeline, family_name)
+        require(family, PixelCodec, "python -m miles.rollout.encode_images")
         shape = family.image_shape(pipeline)
         latent_shape = family.latent_shape(pipeline)
     except (FileNotFoundError, ValueError, KeyError) as exc:
@@ -256,26 +261,33 @@ def encode_image_folder(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m miles.rollout.encode_images",
-        description="Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+    # The offline commands share their parser's positionals and error path (offline_files); this is its own part.
+    parser = command_parser(
+        "python -m miles.rollout.encode_images",
+        "Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+        [("image_dir", "folder of .png / .jpg / .webp images")],
+        "output directory",
     )
-    parser.add_argument("pipeline", help="pipeline directory (any model family)")
-    parser.add_argument("image_dir", help="folder of .png / .jpg / .webp images")
-    parser.add_argument("out_dir", help="output directory")
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call (default: 8)")
+    parser.add_argument(
+        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
+    )
     ns = parser.parse_args(argv)
-    from miles.utils.log import setup_logging
-
-    setup_logging("INFO")
-    try:
-        manifest = encode_image_folder(
-            ns.pipeline, ns.image_dir, ns.out_dir, captions=ns.captions, prompt=ns.prompt, batch_size=ns.batch_size
-        )
-    except OfflineDataError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+    manifest = run_command(
+        parser,
+        lambda: encode_image_folder(
+            ns.pipeline,
+            ns.image_dir,
+            ns.out_dir,
+            captions=ns.captions,
+            prompt=ns.prompt,
+            batch_size=ns.batch_size,
+            family_name=ns.diffusion_model_family,
+        ),
+    )
+    if manifest is None:
         return 2
     data = Path(ns.out_dir) / "data.jsonl"
     print(

@@ -14,6 +14,9 @@ Math: :mod:`miles.utils.sampling` (σ schedule, CFG, the ``dmd2`` and ``euler`` 
         x_0      = initial noise of (seed, rollout, sample index); run steps 0..last step
     sample       = its x_i and x̂0_i at its stop step (or the whole trajectory and the final sample)
 
+Latents have any rank (``(C, H, W)`` images, ``(C, F, H, W)`` video): the initial noise and the re-noise are drawn
+in the family's ``latent_shape`` and nothing else here reads the shape.
+
 A sample's noise and stop step depend only on ``(seed, rollout, sample index)`` and every micro-batch holds the same
 samples whatever the DP size (the shards are contiguous and a multiple of the micro-batch), so a rollout is
 bit-identical at 1 and N DP ranks.
@@ -45,16 +48,10 @@ __all__ = [
     "convert_samples",
     "data_base_dir",
     "data_samples",
-    "default_device",
     "record_metadata",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def default_device() -> torch.device:
-    """CUDA when this process sees a GPU, else CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def record_metadata(args: Any, record: dict) -> dict:
@@ -83,7 +80,7 @@ class RolloutEngine:
         family: the pipeline's model family.
         denoiser: the student (plain module or FSDP module; the engine only runs it under ``no_grad``).
         conditioner: gives the prompts' cond and the negative cond.
-        latent_shape: ``(C, H, W)`` of one sample.
+        latent_shape: one sample's ``(C, H, W)`` (video: ``(C, F, H, W)``), the family's ``latent_shape``.
         num_train_timesteps: the model's timestep scale (the scheduler config's; 1000 for SD3 and digits).
 
     Raises:
@@ -96,7 +93,7 @@ class RolloutEngine:
         family: Any,
         denoiser: nn.Module,
         conditioner: PromptConditioner,
-        latent_shape: tuple[int, int, int],
+        latent_shape: tuple[int, ...],
         num_train_timesteps: int = 1000,
     ) -> None:
         self.args = args
@@ -187,7 +184,7 @@ class RolloutEngine:
                 last_step=last_step,
                 fresh_noise=lambda k, idx=indices: renoise_noise(self.latent_shape, seed, shard.rollout_id, idx, k),
             )
-            latents = torch.stack(result.latents, dim=1)  # (b, last_step + 1, C, H, W)
+            latents = torch.stack(result.latents, dim=1)  # (b, last_step + 1, *latent_shape)
             x0_preds = torch.stack(result.x0_preds, dim=1)
             for b, position in enumerate(range(start, end)):
                 step = stop_steps[position]
@@ -220,7 +217,8 @@ class RolloutEngine:
         guidance_scale: float | None = None,
         batch_size: int = 64,
     ) -> torch.Tensor:
-        """Full trajectories of the shard with the engine's weights (evaluation): float32 latents ``(B, C, H, W)``.
+        """Full trajectories of the shard with the engine's weights (evaluation): float32 latents
+        ``(B, *latent_shape)``.
 
         ``num_steps`` overrides ``--diffusion-num-steps`` (then ``--diffusion-timesteps`` is ignored);
         ``guidance_scale`` overrides ``--diffusion-guidance-scale``.

@@ -32,36 +32,35 @@ def make_generator(*parts: Any, device: str | torch.device = "cpu") -> torch.Gen
     return torch.Generator(device=device).manual_seed(stable_hash(*parts))
 
 
-def load_function(path: str) -> Callable:
+def load_function(path: str, what: str = "hook path") -> Callable:
     """Import ``module.sub.attr`` and return the callable it names.
 
     Args:
         path: dotted path such as ``"miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"``.
+        what: how the errors name the path (``"hook path"``, ``"--diffusion-model-family"``).
 
     Raises:
         ValueError: if the path has no dot, the module cannot be imported (or raises, or exits, while it is), the
             attribute does not exist or is not callable. The message names the path and what failed.
     """
     if not isinstance(path, str) or "." not in path:
-        raise ValueError(f"hook path {path!r} must be a dotted path 'package.module.function'")
+        raise ValueError(f"{what} {path!r} must be a dotted path 'package.module.function'")
     module_name, attr_name = path.rsplit(".", 1)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"hook path {path!r}: cannot import module {module_name!r} ({exc})") from exc
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from exc
     except SystemExit as exc:
         # A module that exits on import would end the command with its code and no word of why.
-        raise ValueError(
-            f"hook path {path!r}: importing module {module_name!r} called sys.exit({exc.code!r})"
-        ) from exc
+        raise ValueError(f"{what} {path!r}: importing module {module_name!r} called sys.exit({exc.code!r})") from exc
     except Exception as exc:
         # The module's own error (a SyntaxError, a failing top-level statement), named with the path.
         raise ValueError(
-            f"hook path {path!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
+            f"{what} {path!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
     if not hasattr(module, attr_name):
-        raise ValueError(f"hook path {path!r}: module {module_name!r} has no attribute {attr_name!r}")
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr_name!r}")
     fn = getattr(module, attr_name)
     if not callable(fn):
-        raise ValueError(f"hook path {path!r}: {attr_name!r} is a {type(fn).__name__}, not a callable")
+        raise ValueError(f"{what} {path!r}: {attr_name!r} is a {type(fn).__name__}, not a callable")
     return fn

@@ -3,6 +3,10 @@
 The rollout engine, the exported pipelines, the evaluation and the DMD2 scoring all sample through these functions,
 so there is one definition of each formula.
 
+Latents have any rank: a batch is ``(B, *latent_shape)`` with ``latent_shape`` = ``(C, H, W)`` for images or
+``(C, F, H, W)`` for video; every formula here acts elementwise or per leading batch row, and the shapes below are
+written for images.
+
 Conventions (diffusers ``FlowMatchEulerDiscreteScheduler``, torchtitan's Flux trainer): σ ∈ [0, 1] with 1 = pure
 noise, ``x_σ = (1 − σ)·x0 + σ·ε``; the denoiser predicts the velocity ``v = ε − x0`` at ``timestep = σ ·
 num_train_timesteps`` (in [0, 1000]), so ``x0 = x_σ − σ·v``. Everything is computed in float32 or wider.
@@ -21,7 +25,7 @@ not depend on the device, and per sample so that it does not depend on the batch
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,8 +36,11 @@ __all__ = [
     "STEP_RULES",
     "FlowNoiseSchedule",
     "DenoiseResult",
+    "NoiseDraw",
     "apply_cfg",
     "denoise",
+    "draw_noise_levels",
+    "forward_process",
     "guided_velocity",
     "initial_noise",
     "renoise_noise",
@@ -115,6 +122,64 @@ class FlowNoiseSchedule:
         return f"FlowNoiseSchedule(num_steps={self.num_steps}, sigmas=[{shown}{more}])"
 
 
+def forward_process(x0: torch.Tensor, sigma: torch.Tensor | float, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching forward process ``x_σ = (1 − σ)·x0 + σ·ε`` (diffusers ``FlowMatchEulerDiscreteScheduler.
+    scale_noise``; torchtitan's Flux trainer).
+
+    Args:
+        x0: clean latents ``(B, ...)`` of any rank, float32.
+        sigma: one σ per row, a float tensor ``(B,)`` (any float dtype; applied in float32 on ``x0``'s device), or
+            one Python float for the whole batch (the sampler's re-noise).
+        noise: ``ε`` of ``x0``'s shape; moved to its device and dtype.
+
+    Returns:
+        ``x_σ`` of ``x0``'s shape and dtype.
+    """
+    if isinstance(sigma, torch.Tensor):
+        sigma = sigma.to(device=x0.device, dtype=torch.float32).view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - sigma) * x0 + sigma * noise.to(device=x0.device, dtype=x0.dtype)
+
+
+class NoiseDraw(NamedTuple):
+    """One batch's noise levels on a σ grid and its noise (:func:`draw_noise_levels`).
+
+    Attributes:
+        grid_index: int64 ``(B,)``, positions on the grid.
+        sigma: float64 ``(B,)`` in [0, 1]; timestep: float32 ``(B,)``, ``σ · num_train_timesteps``.
+        noise: float32 ``ε`` of the requested shape.
+    """
+
+    grid_index: torch.Tensor
+    sigma: torch.Tensor
+    timestep: torch.Tensor
+    noise: torch.Tensor
+
+
+def draw_noise_levels(
+    generator: torch.Generator,
+    grid: FlowNoiseSchedule,
+    shape: tuple[int, ...],
+    allowed: torch.Tensor | None = None,
+) -> NoiseDraw:
+    """Draw ``shape[0]`` grid positions (uniform over the grid, or over ``allowed``'s positions), then the noise of
+    ``shape``, in that order and on the CPU, from ``generator``: the SFT noise, the DMD2 scoring σ and the
+    diffusion-GAN noise all draw this way, so a seed gives the same σ and ε wherever it is used.
+
+    Args:
+        generator: a CPU generator (``make_generator(purpose, seed, rollout, micro-batch, DP rank)``).
+        grid: the trainer's σ grid.
+        shape: ``(B, ...)``, the noise's shape.
+        allowed: int64 grid positions to draw from, or None for the whole grid.
+    """
+    count = shape[0]
+    if allowed is None:
+        grid_index = torch.randint(0, grid.num_steps, (count,), generator=generator)
+    else:
+        grid_index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return NoiseDraw(grid_index, grid.sigmas[grid_index], grid.timesteps[grid_index].float(), noise)
+
+
 def apply_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     """Classifier-free guidance in its standard form ``uncond + w·(cond − uncond)`` (Ho & Salimans 2022).
 
@@ -130,7 +195,7 @@ def x0_from_velocity(latents: torch.Tensor, sigma: torch.Tensor | float, velocit
 
     Args:
         latents: ``x_σ`` of shape ``(B, C, H, W)``.
-        sigma: σ in [0, 1], a float or a tensor broadcastable to ``latents`` (e.g. ``(B, 1, 1, 1)``).
+        sigma: σ in [0, 1], a float or a tensor broadcastable to ``latents`` (e.g. ``(B, 1, 1, 1)`` for images).
         velocity: ``v`` of the same shape as ``latents``.
     """
     if isinstance(sigma, torch.Tensor):
@@ -146,7 +211,10 @@ def guided_velocity(
     neg_cond: dict[str, torch.Tensor] | None,
     guidance_scale: float,
 ) -> torch.Tensor:
-    """The velocity with CFG: one forward without guidance, one batched ``[uncond; cond]`` forward with it.
+    """The velocity with true CFG: one forward without guidance, one batched ``[uncond; cond]`` forward with it.
+
+    The :class:`miles.models.capabilities.TrueCFG` guidance form; the samplers call ``family.guided_velocity``,
+    which is this function for a true-CFG family.
 
     Args:
         predict: ``predict(latents, timestep, cond) -> v`` float32 ``(B, C, H, W)``, e.g. a family's
@@ -203,10 +271,10 @@ class DenoiseResult:
     """Output of :func:`denoise` for a batch of B samples.
 
     Attributes:
-        latents: ``latents[k]`` is ``x_k``, float32 ``(B, C, H, W)`` on CPU, for each run step k (empty if not
-            recorded).
+        latents: ``latents[k]`` is ``x_k``, float32 ``(B, *latent_shape)`` on CPU, for each run step k (empty if
+            not recorded).
         x0_preds: ``x0_preds[k]`` is ``x̂0_k``, same layout.
-        final: ``x_S`` float32 ``(B, C, H, W)`` on CPU when the batch ran all S steps, else None.
+        final: ``x_S`` float32 ``(B, *latent_shape)`` on CPU when the batch ran all S steps, else None.
     """
 
     latents: list[torch.Tensor]
@@ -232,28 +300,27 @@ def denoise(
     """Run steps ``0..last_step`` of the flow sampler on a batch.
 
     Args:
-        family: the model family; supplies ``predict_velocity(denoiser, latents, timestep, cond)``.
+        family: the model family; supplies ``predict_velocity(denoiser, latents, timestep, cond)`` and its guidance
+            form's ``guided_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)``.
         denoiser: the velocity model (plain or FSDP-wrapped); the latents follow its parameters' device.
-        noise: float32 ``(B, C, H, W)``, the initial ``x_0`` (pure noise at σ_0).
+        noise: float32 ``(B, *latent_shape)``, the initial ``x_0`` (pure noise at σ_0).
         cond: batched positive cond kwargs.
         schedule: σ grid with S steps and the terminal 0.
-        neg_cond: batched negative cond kwargs, required when ``guidance_scale != 1``.
-        guidance_scale: CFG scale w.
+        neg_cond: batched negative cond kwargs, required by a true-CFG family when ``guidance_scale != 1``.
+        guidance_scale: the guidance scale w, applied in the family's guidance form.
         step_rule: ``"dmd2"`` or ``"euler"``.
         last_step: last step to run (default S − 1, the full trajectory).
-        fresh_noise: ``fresh_noise(k) -> (B, C, H, W)`` draws the DMD2 rule's noise after step k.
+        fresh_noise: ``fresh_noise(k) -> (B, *latent_shape)`` draws the DMD2 rule's noise after step k.
         record: keep ``x_k`` and ``x̂0_k`` of every step (off for evaluation).
 
     Raises:
-        ValueError: on an unknown step rule, a missing negative cond under CFG, a missing ``fresh_noise`` for the
-            DMD2 rule or ``last_step`` outside ``[0, S)``.
+        ValueError: on an unknown step rule, a missing ``fresh_noise`` for the DMD2 rule, ``last_step`` outside
+            ``[0, S)``, or (from the first forward) a missing negative cond under true CFG.
     """
     num_steps = schedule.num_steps
     last_step = num_steps - 1 if last_step is None else last_step
     if step_rule not in STEP_RULES:
         raise ValueError(f"--diffusion-step-rule {step_rule!r} is unknown; choose one of {list(STEP_RULES)}")
-    if guidance_scale != 1.0 and not neg_cond:
-        raise ValueError(f"guidance scale {guidance_scale} needs the negative prompt's cond, but none was encoded")
     if step_rule == "dmd2" and fresh_noise is None and last_step > 0:
         raise ValueError("the dmd2 step rule needs fresh_noise(step) to re-noise between steps")
     if not 0 <= last_step < num_steps:
@@ -270,7 +337,7 @@ def denoise(
     for k in range(last_step + 1):
         sigma, sigma_next = float(schedule.sigmas[k]), float(schedule.sigmas[k + 1])
         timestep = torch.full((batch,), float(schedule.timesteps[k]), dtype=torch.float32, device=device)
-        v = guided_velocity(predict, x, timestep, cond, neg_cond, guidance_scale)
+        v = family.guided_velocity(predict, x, timestep, cond, neg_cond, guidance_scale)
         x0 = x0_from_velocity(x, sigma, v)
         if record:
             result.latents.append(x.cpu())
@@ -280,7 +347,7 @@ def denoise(
                 result.final = (x0 if step_rule == "dmd2" else x + (sigma_next - sigma) * v).cpu()
             break
         if step_rule == "dmd2":
-            x = (1.0 - sigma_next) * x0 + sigma_next * fresh_noise(k).to(device, torch.float32)
+            x = forward_process(x0, sigma_next, fresh_noise(k))
         else:
             x = x + (sigma_next - sigma) * v
     return result
@@ -293,7 +360,7 @@ def sample_latents(
     encode: Callable[[int, int], dict[str, torch.Tensor]],
     sample_indices: list[int],
     *,
-    latent_shape: tuple[int, int, int],
+    latent_shape: tuple[int, ...],
     schedule: FlowNoiseSchedule,
     guidance_scale: float,
     step_rule: str,
@@ -313,13 +380,13 @@ def sample_latents(
         family: runs the denoiser (``predict_velocity``).
         encode: ``encode(start, end) -> {name: (end − start, ...)}``, the batched cond of samples ``start..end − 1``.
         sample_indices: B seed indices.
-        latent_shape: ``(C, H, W)`` of one sample.
+        latent_shape: one sample's ``(C, H, W)`` (video: ``(C, F, H, W)``).
         schedule: the σ grid to sample on.
         negative: the negative prompt's cond, one row without a batch dim; required when ``guidance_scale != 1``.
         batch_size: samples per denoiser forward (chunks of the B samples, in order).
 
     Returns:
-        float32 latents ``(B, C, H, W)`` on CPU.
+        float32 latents ``(B, *latent_shape)`` on CPU.
 
     Raises:
         ValueError: as :func:`denoise` (e.g. CFG without ``negative``).

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.checkpoint import complete_rollouts, read_latest
+from miles.driver.run_dir import complete_rollouts, read_latest
 from miles.models.digits_pipeline import read_sampling_schedule
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
+from tests.support.memory import assert_plan_agrees
 from tests.support.sd3 import tiny_sd3_pipeline
 
 PROMPTS = ["a red square", "a blue circle", "two green dots", "a yellow line", "a cat", "a dog"]
@@ -125,6 +126,13 @@ def test_every_rollout_logs_finite_actor_critic_and_perf_metrics(run):
     assert all(r["train/dmd2_nonfinite_frac"] == 0.0 and r["train/dmd2_grad_abs_mean"] > 0 for r in actor)
     # The trainer's recomputed x0 of the student matches the engine's x̂0_i (same weights, same inputs).
     assert all(r["train/x0_max_abs_diff"] < 1e-4 for r in actor)
+
+
+def test_the_memory_plan_matches_the_bytes_each_group_logged(run):
+    out = run["root"] / "full"
+    figures = assert_plan_agrees(_argv(run["pipeline"], run["data"], out), read_metrics(out))
+    # float32 compute: the teacher's shard weighs what the student's float32 master shard does
+    assert figures["critic-frozen"][1] == figures["actor-parameters"][1] > 0
 
 
 def test_student_weights_change_and_the_export_carries_its_schedule(run):

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.checkpoint import read_latest
+from miles.driver.run_dir import read_latest
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
+from tests.support.memory import assert_plan_agrees
 from tests.support.trainer import make_pipeline
 
 GAN_ACTOR = ["train/dmd2_gan_grad_abs_mean", "train/dmd2_gan_dm_grad_ratio"]
@@ -49,7 +50,7 @@ def run(tmp_path_factory, ray_cluster):
     (root / "real.jsonl").write_text("".join(json.dumps(record) + "\n" for record in real))
     save, export, out = root / "ckpt", root / "student", root / "full"
     run_main(_argv(root, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
-    return {"root": root, "save": save, "export": export, "records": read_metrics(out)}
+    return {"root": root, "save": save, "export": export, "records": read_metrics(out), "argv": _argv(root, out)}
 
 
 def _train_records(records, key):
@@ -71,6 +72,12 @@ def test_the_critic_trains_its_head_and_the_student_takes_the_gan_gradient(run):
     assert memory and memory[-1]["memory/critic-parameters_bytes"] > memory[-1]["memory/actor-parameters_bytes"]
 
 
+def test_the_memory_plan_matches_the_bytes_each_group_logged(run):
+    # 2 ranks, the GAN head in the critic group, the student's EMA (not among the logged figures): within 5%.
+    figures = assert_plan_agrees(run["argv"], run["records"])
+    assert len(figures) == 8 and figures["critic-parameters"][1] > figures["actor-parameters"][1]
+
+
 def test_the_head_and_the_ema_are_checkpointed_and_the_export_differs_from_the_live_weights(run):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -79,7 +86,7 @@ def test_the_head_and_the_ema_are_checkpointed_and_the_export_differs_from_the_l
     critic_keys = FileSystemReader(str(save.parent / "ckpt_critic" / "rollout_2" / "dcp")).read_metadata()
     assert any(key.startswith("train.model.disc_head.") for key in critic_keys.state_dict_metadata)
     actor_keys = FileSystemReader(str(save / "rollout_2" / "dcp")).read_metadata()
-    assert any(key.startswith("train.ema.shadow.") for key in actor_keys.state_dict_metadata)
+    assert any(key.startswith("ema.shadow.") for key in actor_keys.state_dict_metadata)
     assert not any("disc_head" in key for key in actor_keys.state_dict_metadata)  # the actor never holds the critic
     from diffusers import SD3Transformer2DModel
 
@@ -100,6 +107,17 @@ def test_resume_from_a_mid_run_commit_repeats_the_figures_exactly(run):
         full = [r[key] for r in _train_records(run["records"], key) if r["rollout_id"] == 2]
         again = [r[key] for r in _train_records(resumed, key) if r["rollout_id"] == 2]
         assert full and again == full, key
+
+
+def test_phase_two_on_an_engine_replica_repeats_the_figures(run):
+    """``--rollout-num-gpus 1``: a replica generates both DP shards and hands each pair its real sample, so the
+    critic's GAN steps run (they once failed at the first one) and every figure equals the actor-generated run's."""
+    out = run["root"] / "replica"
+    run_main(_argv(run["root"], out, "--rollout-num-gpus", "1"))
+    records = read_metrics(out)
+    for key in ["train/loss", "train/critic-loss", *GAN_ACTOR, *GAN_CRITIC]:
+        expected = [r[key] for r in _train_records(run["records"], key)]
+        assert expected and [r[key] for r in _train_records(records, key)] == expected, key
 
 
 def test_a_prompt_judging_head_logs_its_quality_on_held_out_reals_at_every_evaluation(run):

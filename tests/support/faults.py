@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from miles.backends.fsdp_utils.loss_hub import sft
+from miles.models.base import DENOISER
 
 # -- hooks whose return values are wrong ------------------------------------------------------------------------
 
@@ -64,7 +65,7 @@ def nan_weight_at_rollout_2(ctx, train_pairs):
     """Prepare hook: from rollout 2 on, one weight of the student is NaN (as a bad update would leave it)."""
     if ctx.rollout_id >= 2:
         with torch.no_grad():
-            param = next(ctx.models["transformer"].parameters())
+            param = next(ctx.models[DENOISER].parameters())
             local = param.to_local() if hasattr(param, "to_local") else param
             local.view(-1)[0] = float("nan")
     return sft.prepare_sft_batch(ctx, train_pairs)

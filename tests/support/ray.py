@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# How often the session cluster may try to start (see ray_session).
+START_ATTEMPTS = 3
 # What every Ray worker of the tests sees: offline Hugging Face, one intra-op thread, no auth on the local cluster.
 WORKER_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -31,7 +33,16 @@ def ray_session(num_cpus: int = 4):
     export_test_environment()
     # Unix socket paths are limited to ~107 bytes: keep the temp dir short.
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, logging_level="WARNING")
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, logging_level="WARNING")
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray 2.60 waits a hard-coded 30 s for its raylet to register; on a machine loaded by other jobs that can
+            # pass before the node is up. A fresh start is all it needs; any other failure is real.
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+                raise
     try:
         yield ray
     finally:

@@ -13,13 +13,11 @@ from typing import Any
 import torch
 
 from miles.backends.fsdp_utils import checkpoint
-from miles.utils.paths import check_export_target
+from miles.models.base import DENOISER
+from miles.utils.paths import check_export_target, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
 __all__ = ["write_pipeline"]
-
-# The trainable denoiser's component directory in a diffusers pipeline.
-TRANSFORMER = "transformer"
 
 
 def write_pipeline(
@@ -64,8 +62,8 @@ def write_pipeline(
         shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=_hidden)
         model = family.load_denoiser(str(src), dtype=torch.float32)
         model.load_state_dict(state_dict)
-        shutil.rmtree(tmp / TRANSFORMER)
-        model.save_pretrained(tmp / TRANSFORMER)
+        shutil.rmtree(tmp / DENOISER)
+        model.save_pretrained(tmp / DENOISER)
         if schedule is not None:
             write_sampling_schedule(tmp, **schedule, stock_scheduler=family.stock_scheduler)
     except OSError as exc:
@@ -79,14 +77,7 @@ def write_pipeline(
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        stale = out.parent / f".{out.name}.miles-export.stale"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.rename(out, stale)
-        os.rename(tmp, out)
-        shutil.rmtree(stale)
-    else:
-        os.rename(tmp, out)
+    replace_dir(tmp, out, out.parent / f".{out.name}.miles-export.stale")
 
 
 def _hidden(directory: str, names: list[str]) -> list[str]:

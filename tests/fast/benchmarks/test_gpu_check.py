@@ -1,9 +1,13 @@
 """``benchmarks/gpu_check.py --tiny``: the GPU check's whole path on the CPU (a tiny SD3 transformer with SD3's
 structure, a cached prompt file, bf16 DMD2 runs with and without gradient checkpointing, the per-phase table)."""
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from miles.utils.tracking import read_metrics
+from tests.support.memory import assert_plan_agrees
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,6 +34,11 @@ def test_the_tiny_gpu_check_runs_both_trainings_and_prints_every_phase(tmp_path,
     # The cached prompts replaced the text encoders: the pipeline has none.
     index = json.loads((tmp_path / "pipeline" / "model_index.json").read_text())
     assert index["text_encoder_3"] == [None, None] and index["vae"] == [None, None]
+    # The memory planner agrees with the bytes the bf16 run at one rank logged (teacher stored in bf16).
+    for title, run in report["runs"].items():
+        argv = shlex.split(run["command"])[2:]  # after the interpreter and train_diffusion.py
+        out = Path(argv[argv.index("--output-dir") + 1])
+        assert len(assert_plan_agrees(argv, read_metrics(out))) == 8, title
 
 
 def test_without_a_gpu_the_full_check_says_so_in_one_line():

@@ -312,6 +312,10 @@ COMMANDS: dict[str, Callable] = {
     "sampling-shift-zero": flag_case("--diffusion-flow-shift", "0", message="--diffusion-flow-shift must be > 0"),
     "guidance-inf": flag_case("--diffusion-guidance-scale", "inf", message="--diffusion-guidance-scale must be a fi"),
     "ema-decay-one": flag_case("--ema-decay", "1", message="--ema-decay must be in (0, 1)"),
+    "gpu-memory-zero": flag_case(
+        "--dry-run", "--gpu-memory-gb", "0", message="--gpu-memory-gb must be > 0 (e.g. 80), got 0.0"
+    ),
+    "gpu-memory-without-dry-run": flag_case("--gpu-memory-gb", "80", message="--gpu-memory-gb is read by --dry-run"),
     "max-skipped-zero": flag_case("--max-skipped-steps", "0", message="--max-skipped-steps must be >= 1, got 0"),
     "keep-last-zero": flag_case(
         "--save", "{d}/ckpt", "--save-keep-last", "0", message="--save-keep-last must be >= 1"
@@ -347,7 +351,20 @@ COMMANDS: dict[str, Callable] = {
         "--custom-prepare-train-batch-path", "tests.support.faults.no_such_hook", message="--custom-prepare-train-b"
     ),
     "train-input-hook-not-callable": flag_case(
-        "--custom-train-input-function-path", "miles.backends.fsdp_utils.actor.TRANSFORMER", message="not a callable"
+        "--custom-train-input-function-path", "miles.models.base.DENOISER", message="not a callable"
+    ),
+    "model-family-no-module": flag_case(
+        "--diffusion-model-family",
+        "no_such_pkg.family.Family",
+        message="--diffusion-model-family 'no_such_pkg.family.Family': cannot import module 'no_such_pkg.family'",
+    ),
+    "model-family-not-a-family": flag_case(
+        "--diffusion-model-family",
+        "tests.support.toy_video_family.ToyPromptEncoder",
+        message="--diffusion-model-family tests.support.toy_video_family.ToyPromptEncoder is <class",
+    ),
+    "model-family-unknown-name": flag_case(
+        "--diffusion-model-family", "flux", message="--diffusion-model-family flux is unknown; pass a registered name"
     ),
     # data files
     "prompt-data-missing": flag_case(

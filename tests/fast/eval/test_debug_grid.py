@@ -172,3 +172,26 @@ def test_errors_name_the_column(digits):
         render_dmd2_debug_grid({})
     with pytest.raises(ValueError, match="scale=0"):
         render_dmd2_debug_grid({"x_i": digits}, scale=0)
+
+
+def test_a_video_column_is_the_strip_of_its_frames(digits):
+    # (N, C, F, H, W): frame f of sample n is digit (n + f) mod N, so the strip is two digits side by side.
+    frames = torch.stack([digits, digits.roll(-1, dims=0)], dim=2)
+    g = torch.stack([_randn(digits.shape, "g0"), _randn(digits.shape, "g1")], dim=2)
+    video = render_dmd2_debug_grid({"x0": frames, "g": g}, signed={"g"}, scale=SCALE, titles=False, spacing=SPACING)
+    strips = {
+        "x0": torch.cat([digits, digits.roll(-1, dims=0)], dim=-1),
+        "g": torch.cat([g[:, :, 0], g[:, :, 1]], dim=-1),
+    }
+    image = render_dmd2_debug_grid(strips, signed={"g"}, scale=SCALE, titles=False, spacing=SPACING)
+    np.testing.assert_array_equal(np.asarray(video), np.asarray(image))
+    assert np.asarray(video).shape[1] == SPACING + 2 * (2 * 8 * SCALE + SPACING)  # cells 2 frames wide
+
+    def decode(latents):  # a video codec: (N, C, F, H, W) → uint8 (N, F, H, W, 1)
+        return ((latents.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
+
+    decoded = render_dmd2_debug_grid({"x0": frames}, decode=decode, scale=SCALE, titles=False, spacing=SPACING)
+    by_strip = render_dmd2_debug_grid(
+        {"x0": strips["x0"]}, decode=lambda x: decode(x.unsqueeze(2))[:, 0], scale=SCALE, titles=False, spacing=SPACING
+    )
+    np.testing.assert_array_equal(np.asarray(decoded), np.asarray(by_strip))

@@ -11,6 +11,7 @@ from miles.rollout.data_source import (
     JsonlPromptSource,
     load_image,
     load_image_latent,
+    load_latent_file,
     make_prompt_shard,
     split_prompts,
 )
@@ -118,3 +119,20 @@ def test_make_prompt_shard_keeps_a_prompts_samples_together():
     assert shard.prompts == ["digit 3"] * 3 + ["digit 5"] * 3
     assert shard.records == [records[0]] * 3 + [records[1]] * 3
     assert shard.rollout_id == 4 and len(shard) == 6 and shard.base_dir == "."
+
+
+def test_latent_files_of_video_rank_load_and_a_family_without_a_codec_refuses_images(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.support.toy_video_family import ToyVideoFamily
+
+    clip = torch.randn(4, 2, 8, 8, generator=make_generator("test_clip"))
+    save_file({"latent": clip}, str(tmp_path / "clip.safetensors"))
+    assert torch.equal(load_latent_file(tmp_path / "clip.safetensors"), clip)  # (C, F, H, W)
+    save_file({"latent": clip[None]}, str(tmp_path / "batch.safetensors"))
+    with pytest.raises(ValueError, match=r"holds shape \(1, 4, 2, 8, 8\); a latent is \(C, H, W\) or, for video"):
+        load_latent_file(tmp_path / "batch.safetensors")
+    with pytest.raises(
+        ValueError, match="^record 3: an image record .* needs a model family that implements .*PixelCodec"
+    ):
+        load_image_latent(ToyVideoFamily(tmp_path), [[0, 255]], where="record 3")

@@ -20,23 +20,25 @@ from functools import partial
 
 import torch
 
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Pair, dmd2_settings
 from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
-    approximate_r1,
     disc_loss_terms,
     generator_gan_gradient,
-    mismatched_rows,
-    noised,
+    judge_loss,
+    judge_rows,
     pooled_embedding,
     seeded_noise_levels,
 )
-from miles.backends.fsdp_utils.loss_hub.scoring_sigma import scoring_sigmas
+from miles.backends.fsdp_utils.loss_hub.scoring_sigma import draw_scoring_levels
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
+from miles.models.base import DENOISER
+from miles.models.capabilities import TrueCFG, supports
 from miles.utils.health import health_figures
 from miles.utils.misc import make_generator
-from miles.utils.sampling import FlowNoiseSchedule, guided_velocity, x0_from_velocity
+from miles.utils.sampling import FlowNoiseSchedule, forward_process, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
@@ -75,22 +77,20 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     Rows ``0..B−1`` are exactly :func:`prepare_critic_batch`'s; rows ``B..2B−1`` are the fakes ``x̂0_i`` and rows
     ``2B..3B−1`` the paired real latents, both noised at diffusion-GAN levels (σ from the scoring range; σ and noise
     from ``make_generator("gan_disc", seed, rollout, micro-batch, DP rank)``: fakes first, then reals), with the
-    fakes' positive cond and the reals' own. Then, in this order and only when their weights are > 0:
-
-    * ``--dmd2-gan-mismatch-weight``: the noised reals again (same σ and noise) with another real's prompt
-      (:func:`~miles.backends.fsdp_utils.loss_hub.gan.mismatched_rows`);
-    * ``--dmd2-gan-r1-weight``: the reals perturbed by ``α·ε'`` before the same noising (``α`` =
-      ``--dmd2-gan-r1-alpha``, ``ε'`` from ``make_generator("gan_r1", seed, rollout, micro-batch, DP rank)``), with
-      their own prompts.
+    fakes' positive cond and the reals' own. Then the optional matching-aware and approximate-R1 rows of B each
+    (:func:`~miles.backends.fsdp_utils.loss_hub.gan.judge_rows`).
 
     The critic's one forward then gives the SFT velocity of the first rows and, through the head's feature tap,
     the discriminator's features of the others (:func:`critic_gan_loss`). ``extras["gan_groups"]`` names the
     groups of B rows after the SFT ones.
 
+    The real samples are the pairs' side input ``pair.extras["real"]`` (data ``Sample`` s of
+    ``--dmd2-gan-real-data``, one per pair).
+
     Raises:
         ValueError: if a pair carries no real sample (``--dmd2-gan-real-data`` feeds them).
     """
-    missing = [pair.sample_index for pair in train_pairs if pair.real_x0 is None or not pair.real_cond]
+    missing = [pair.sample_index for pair in train_pairs if REAL_DATA not in pair.extras]
     if missing:
         raise ValueError(
             f"train pairs {missing[:8]} carry no real sample; the DMD2 GAN's critic trains on --dmd2-gan-real-data"
@@ -99,35 +99,29 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     grid = trainer_flow_grid(ctx.args)
     allowed = gan_grid_indices(ctx.args, grid)
     fake = torch.stack([pair.x0 for pair in train_pairs]).float()
-    real = torch.stack([pair.real_x0 for pair in train_pairs]).float()
+    real = torch.stack([pair.extras[REAL_DATA].x0 for pair in train_pairs]).float()
     sigma, timestep, noise = seeded_noise_levels(
         ctx, "gan_disc", ctx.microbatch_id, (2 * len(train_pairs), *fake.shape[1:]), grid, allowed
     )
     batch = len(train_pairs)
-    gan_latents = noised(torch.cat([fake, real]), sigma, noise).to(ctx.device)
+    gan_latents = forward_process(torch.cat([fake, real]), sigma, noise).to(ctx.device)
     fake_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()}
-    real_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.real_cond for p in train_pairs]).items()}
+    real_conds = collate_cond([pair.extras[REAL_DATA].env.pos_cond for pair in train_pairs])
+    real_cond = {key: value.to(ctx.device) for key, value in real_conds.items()}
     latents, timesteps, conds = (
         [sft.latents, gan_latents],
         [sft.timestep, timestep.to(ctx.device)],
         [fake_cond, real_cond],
     )
-    groups, extras = ["fake", "real"], {}
-    real_sigma, real_timestep = sigma[batch:], timestep[batch:].to(ctx.device)
-    if float(getattr(ctx.args, "dmd2_gan_mismatch_weight", 0.0)) > 0:
-        rows, valid = mismatched_rows(real_cond)
-        latents.append(gan_latents[batch:])
-        timesteps.append(real_timestep)
-        conds.append({key: value[rows.to(value.device)] for key, value in real_cond.items()})
-        groups.append("mismatch")
-        extras["gan_mismatch_valid"] = valid
-    if float(getattr(ctx.args, "dmd2_gan_r1_weight", 0.0)) > 0:
-        generator = make_generator("gan_r1", ctx.args.seed, ctx.rollout_id, ctx.microbatch_id, ctx.dp_rank)
-        bump = float(ctx.args.dmd2_gan_r1_alpha) * torch.randn(real.shape, generator=generator, dtype=torch.float32)
-        latents.append(noised(real + bump, real_sigma, noise[batch:]).to(ctx.device))
-        timesteps.append(real_timestep)
-        conds.append(real_cond)
-        groups.append("r1")
+    rows, extras = judge_rows(
+        ctx, real, gan_latents[batch:], real_cond, sigma[batch:], timestep[batch:].to(ctx.device), noise[batch:]
+    )
+    groups = ["fake", "real"]
+    for name, row_latents, row_timestep, row_cond in rows:
+        groups.append(name)
+        latents.append(row_latents)
+        timesteps.append(row_timestep)
+        conds.append(row_cond)
     return PreparedBatch(
         latents=torch.cat(latents),
         timestep=torch.cat(timesteps),
@@ -137,6 +131,7 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     )
 
 
+# The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def critic_gan_loss(
     ctx: TrainContext,
     train_pairs: list[TrainPair],
@@ -166,17 +161,9 @@ def critic_gan_loss(
     logits = head([features[batch:] for features in head.tap.features], None if pooled is None else pooled[batch:])
     logit = {name: logits[i * batch : (i + 1) * batch] for i, name in enumerate(groups)}
     disc = disc_loss_terms(logit["fake"], logit["real"])
-    gan = disc
-    args = ctx.args
-    if "mismatch" in logit:
-        valid = prepared.extras["gan_mismatch_valid"].to(device=logits.device, dtype=torch.float32)
-        gan = gan + float(args.dmd2_gan_mismatch_weight) * valid * torch.nn.functional.softplus(logit["mismatch"])
-        metrics.setdefault("gan_logit_mismatch", []).extend(logit["mismatch"].detach().cpu().tolist())
-    if "r1" in logit:
-        r1 = approximate_r1(logit["real"], logit["r1"])
-        gan = gan + float(args.dmd2_gan_r1_weight) * r1
-        metrics.setdefault("gan_r1", []).extend(r1.detach().cpu().tolist())
-    weight = float(args.dmd2_gan_disc_weight)
+    settings = dmd2_settings(ctx.args)
+    gan = disc + judge_loss(settings, logit, prepared.extras, metrics) if len(groups) > 2 else disc
+    weight = settings.gan_disc_weight
     metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
     metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
     metrics.setdefault("gan_logit_real", []).extend(logit["real"].detach().cpu().tolist())
@@ -192,8 +179,7 @@ def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
     Raises:
         ValueError: if no grid point falls in the range.
     """
-    top = getattr(args, "dmd2_gan_max_timestep_ratio", args.dmd2_max_timestep_ratio)
-    return scoring_grid_indices(args, grid, max_ratio=top)
+    return scoring_grid_indices(args, grid, max_ratio=dmd2_settings(args).gan_max_timestep_ratio)
 
 
 def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None = None) -> torch.Tensor:
@@ -205,8 +191,9 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None 
     Raises:
         ValueError: if no grid point falls in the range.
     """
-    low = args.dmd2_min_timestep_ratio * NUM_TRAIN_TIMESTEPS
-    high = (args.dmd2_max_timestep_ratio if max_ratio is None else max_ratio) * NUM_TRAIN_TIMESTEPS
+    settings = dmd2_settings(args)
+    low = settings.min_timestep_ratio * NUM_TRAIN_TIMESTEPS
+    high = (settings.max_timestep_ratio if max_ratio is None else max_ratio) * NUM_TRAIN_TIMESTEPS
     allowed = torch.nonzero((grid.timesteps >= low) & (grid.timesteps <= high)).flatten()
     if len(allowed) == 0:
         raise ValueError(
@@ -233,17 +220,21 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     Runs after the critic's K steps (or before its last one with ``--dmd2-critic-scoring original``), under no grad,
     over this rank's whole DP shard, in micro-batches of ``--micro-batch-size`` pairs with ids ``0, 1, ...``. Per
     micro-batch ``m``, one generator ``make_generator("dmd2_score", args.seed, ctx.rollout_id, m, ctx.dp_rank)``
-    draws first the noise levels (:func:`scoring_sigmas`, by default uniform over :func:`scoring_grid_indices`) and
-    then the noise ``ε``; then
-    ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
+    draws first the noise levels (``--dmd2-scoring-sigma``,
+    :func:`~miles.backends.fsdp_utils.loss_hub.scoring_sigma.draw_scoring_levels`; by default uniform over
+    :func:`scoring_grid_indices`) and then the noise ``ε``; then ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and
+    ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
-    score without), see [DMD2 4/7]. Both models are resharded afterwards, also on error.
+    score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
+    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are
+    resharded afterwards, also on error.
 
     Args:
-        ctx: reads ``teacher_models["transformer"]`` (frozen teacher), ``models["transformer"]`` (the critic),
-            ``args.seed``, ``args.fsdp_flow_shift``, ``args.micro_batch_size``, ``args.dmd2_teacher_guidance_scale``,
-            ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
+        ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
+            (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
+            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale,
+            scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
     It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
@@ -264,16 +255,19 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     """
     if not train_pairs:
         raise ValueError("predict_teacher_and_critic_x0 got no train pairs; the critic group's DP shard is empty")
-    if "transformer" not in ctx.teacher_models:
+    if DENOISER not in ctx.teacher_models:
         raise ValueError(
-            "DMD2 scoring needs the frozen teacher in the critic group (ctx.teacher_models['transformer']); "
+            f"DMD2 scoring needs the frozen teacher in the critic group (ctx.teacher_models[{DENOISER!r}]); "
             "set --teacher-load"
         )
     args = ctx.args
-    teacher = ctx.teacher_models["transformer"]
-    critic = ctx.models["transformer"]
-    guidance_scale = float(args.dmd2_teacher_guidance_scale)
-    if guidance_scale != 1.0:
+    teacher = ctx.teacher_models[DENOISER]
+    critic = ctx.models[DENOISER]
+    settings = dmd2_settings(args)
+    guidance_scale = settings.teacher_guidance_scale
+    # Only true CFG runs an unconditional branch; an embedded-guidance teacher takes the scale as an input.
+    true_cfg = supports(ctx.family, TrueCFG)
+    if guidance_scale != 1.0 and true_cfg:
         _check_negative_conds(train_pairs, guidance_scale)
     grid = trainer_flow_grid(args)
     allowed = scoring_grid_indices(args, grid)
@@ -288,14 +282,15 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 chunk = train_pairs[start : start + micro_batch_size]
                 x0_hat = torch.stack([pair.x0 for pair in chunk]).float()
                 generator = make_generator("dmd2_score", args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-                sigma, timestep = scoring_sigmas(args, grid, allowed, len(chunk), generator)
-                noise = torch.randn(x0_hat.shape, generator=generator, dtype=torch.float32)
+                sigma, timestep, noise = draw_scoring_levels(settings, generator, grid, x0_hat.shape, allowed)
+                x_sigma = forward_process(x0_hat, sigma, noise)
                 sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
-                x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
 
                 pos_cond = collate_cond([pair.pos_cond for pair in chunk])
-                neg_cond = collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 else None
-                v_real = guided_velocity(
+                neg_cond = (
+                    collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 and true_cfg else None
+                )
+                v_real = ctx.family.guided_velocity(
                     partial(ctx.predict_velocity, teacher), x_sigma, timestep, pos_cond, neg_cond, guidance_scale
                 )
                 v_fake = ctx.predict_velocity(critic, x_sigma, timestep, pos_cond)
@@ -346,7 +341,7 @@ def _single_component(ctx: TrainContext) -> str:
     return next(iter(ctx.models))
 
 
-def prepare_generator_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+def prepare_generator_batch(ctx: TrainContext, train_pairs: list[DMD2Pair]) -> PreparedBatch:
     """The student's unguided forward at the rollout's stopped step ``(x_i, t_i)`` with the positive cond.
 
     Args:
@@ -360,14 +355,14 @@ def prepare_generator_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> 
         ``{"sigma": float64 (B,), "rollout_x0": float32 (B, C, H, W), "sample_index": int64 (B,)}``.
 
     Raises:
-        ValueError: if ``ctx.models`` holds more than one trainable component, or a pair lacks its DMD2 fields.
+        ValueError: if ``ctx.models`` holds more than one trainable component, or a pair is not a ``DMD2Pair``.
     """
     component = _single_component(ctx)
     for pair in train_pairs:
-        if pair.latent is None or pair.sigma is None or pair.timestep is None:
+        if not isinstance(pair, DMD2Pair):
             raise ValueError(
-                f"train pair of sample {pair.sample_index} has no latent/sigma/timestep; --loss-type dmd2 needs the "
-                "pairs of miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
+                f"train pair of sample {pair.sample_index} is a {type(pair).__name__}, not a DMD2Pair (no stopped "
+                "step); --loss-type dmd2 needs the pairs of miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
             )
     device = ctx.device
     return PreparedBatch(
@@ -428,6 +423,7 @@ def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.
     return x0_real, x0_fake, g_gan
 
 
+# The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def dmd2_loss_formula(
     ctx: TrainContext,
     train_pairs: list[TrainPair],
@@ -462,8 +458,9 @@ def dmd2_loss_formula(
     sigma = prepared.extras["sigma"].to(device=device, dtype=torch.float32).view(-1, *([1] * (v.ndim - 1)))
     x0 = latents - sigma * v
     x0_real, x0_fake, g_gan = _critic_scores(ctx, prepared.extras["sample_index"], device)
-    gan_weight = float(getattr(ctx.args, "dmd2_gan_gen_weight", 0.0) or 0.0)
-    if isinstance(ctx.rollout_id, int) and ctx.rollout_id < int(getattr(ctx.args, "dmd2_gan_start_rollout", 0)):
+    settings = dmd2_settings(ctx.args)
+    gan_weight = settings.gan_gen_weight
+    if isinstance(ctx.rollout_id, int) and ctx.rollout_id < settings.gan_start_rollout:
         # The GAN phase starts once the distribution-matching term has converged (tianweiy/DMD2's ImageNet recipe
         # adds the GAN to a converged student); the head trains from the start, so it is ready by then.
         gan_weight = 0.0

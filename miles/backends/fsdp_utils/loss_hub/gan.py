@@ -5,8 +5,12 @@ The discriminator is the critic itself plus a small head: the critic transformer
 hooks read its image-token hidden states after the chosen blocks (``--dmd2-gan-feature-blocks``, default the middle
 one; several blocks give several heads, FastGen-style, whose logits are averaged), the tokens are laid back on
 their patch grid ``(B, D, h, w)`` and strided convolutions with GroupNorm and SiLU reduce each grid to one logit
-per image. Diffusion-GAN: real and fake images are noised at a σ drawn like the DMD2 scoring σ (the
-``--fsdp-flow-shift`` grid inside 2–98% of the timesteps) before the critic sees them.
+per image. The family supplies the tokens, their grid and their width (``TokenFeatures`` of
+:mod:`miles.models.capabilities`). A video's grid ``(f, h, w)`` is folded into f frames of ``(h, w)`` that the same
+2-D head judges one by one, and the frames' logits are averaged: the tokens of a video DiT already attend across
+frames, so a frame's features carry the motion around it, and an image and a video head are one design.
+Diffusion-GAN: real and fake images are noised at a σ drawn like the DMD2 scoring σ (the ``--fsdp-flow-shift`` grid
+inside 2–98% of the timesteps) before the critic sees them.
 
 Losses (non-saturating, tianweiy/DMD2): the critic group minimises ``softplus(D(fake)) + softplus(−D(real))``
 (``guidance_cls_loss``), weighted by ``--dmd2-gan-disc-weight``, beside its flow-matching loss; the generator's is
@@ -33,7 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
+from miles.models.base import DENOISER
+from miles.models.capabilities import TokenFeatures, require
 from miles.utils.misc import make_generator
+from miles.utils.sampling import draw_noise_levels, forward_process
 
 __all__ = [
     "DISC_HEAD",
@@ -45,9 +53,9 @@ __all__ = [
     "FeatureTap",
     "build_discriminator",
     "discriminator_logits",
-    "gan_noise_level",
     "generator_gan_gradient",
-    "noised",
+    "judge_loss",
+    "judge_rows",
     "seeded_noise_levels",
 ]
 
@@ -101,15 +109,16 @@ class DiscriminatorHead(nn.Module):
     """One small conv head per tapped block: image tokens ``(B, h·w, D)`` → ``(B, D, h, w)`` → stride-2 4×4
     convolutions (GroupNorm, SiLU) until the grid is at most 2×2, then a convolution over the whole grid to the
     feature φ ``(B, C)`` and a 1×1 convolution ψ to one logit; the heads' logits are averaged. Randomly initialised
-    (PyTorch's defaults).
+    (PyTorch's defaults). Video tokens ``(B, f·h·w, D)`` run as ``B·f`` frames ``(D, h, w)`` whose logits are
+    averaged per video.
 
     With ``cond_dim``, each head adds the projection term of Miyato & Koyama 2018 (eq. 3), ``yᵀVφ(x)`` with ``V``
     a bias-free ``Linear(cond_dim, C)`` and ``y`` the prompt's pooled embedding, so the logit depends on whether the
-    image fits its prompt.
+    image fits its prompt (a video's every frame with its video's prompt).
 
     Args:
         hidden_size: D, the transformer's token width.
-        grid: ``(h, w)``, the patch grid of the image tokens.
+        grid: ``(h, w)``, the patch grid of the image tokens, or ``(f, h, w)`` for a video.
         num_features: how many tapped blocks feed it.
         channels: the convolutions' width (default ``min(D, 256)``).
         cond_dim: the pooled prompt embedding's width P for the projection term (None: no projection).
@@ -118,17 +127,19 @@ class DiscriminatorHead(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        grid: tuple[int, int],
+        grid: tuple[int, ...],
         num_features: int = 1,
         channels: int | None = None,
         cond_dim: int | None = None,
     ):
         super().__init__()
         self.grid = tuple(grid)
+        if len(self.grid) not in (2, 3):
+            raise ValueError(f"a token grid is (h, w) or (f, h, w), got {self.grid}")
         channels = channels or min(hidden_size, 256)
         heads = []
         for _ in range(num_features):
-            layers, size, width = [], min(self.grid), hidden_size
+            layers, size, width = [], min(self.grid[-2:]), hidden_size
             while size > 2:
                 layers += _conv_block(width, channels, kernel=4, stride=2, padding=1)
                 size, width = size // 2, channels
@@ -141,7 +152,7 @@ class DiscriminatorHead(nn.Module):
             self.projections = nn.ModuleList(nn.Linear(cond_dim, channels, bias=False) for _ in range(num_features))
 
     def forward(self, features: list[torch.Tensor], cond_embedding: torch.Tensor | None = None) -> torch.Tensor:
-        """``features``: one ``(B, h·w, D)`` tensor per head → float32 logits ``(B,)``.
+        """``features``: one ``(B, h·w, D)`` (video: ``(B, f·h·w, D)``) tensor per head → float32 logits ``(B,)``.
 
         Args:
             cond_embedding: float ``(B, P)`` pooled prompt embeddings; required by (and only read by) a head with
@@ -156,26 +167,30 @@ class DiscriminatorHead(nn.Module):
         if self.projections is not None and (cond_embedding is None or cond_embedding.ndim != 2):
             shape = None if cond_embedding is None else list(cond_embedding.shape)
             raise ValueError(f"the projection discriminator needs (B, P) prompt embeddings, got {shape}")
-        h, w = self.grid
+        frames, (h, w) = math.prod(self.grid[:-2]), self.grid[-2:]
         logits = []
         for position, (head, tokens) in enumerate(zip(self.heads, features)):
             batch, count, width = tokens.shape
-            if count != h * w:
-                raise ValueError(f"expected {h}×{w} image tokens, got {count}")
-            grid = tokens.transpose(1, 2).reshape(batch, width, h, w)
+            if count != frames * h * w:
+                raise ValueError(f"expected {'×'.join(map(str, self.grid))} image tokens, got {count}")
+            grid = tokens.transpose(1, 2).reshape(batch, width, *self.grid)
+            if len(self.grid) == 3:
+                # (B, D, f, h, w) → (B·f, D, h, w): each frame through the 2-D head (see the module docstring)
+                grid = grid.transpose(1, 2).reshape(batch * frames, width, h, w)
             dtype = next(head.parameters()).dtype
-            phi = head[:-1](grid.to(dtype))  # (B, C, 1, 1): the whole grid reduced to one feature vector
+            phi = head[:-1](grid.to(dtype))  # (B·f, C, 1, 1): each frame's grid reduced to one feature vector
             logit = head[-1](phi).flatten(1).mean(dim=1)
             if self.projections is not None:
                 embedded = self.projections[position](cond_embedding.to(device=phi.device, dtype=dtype))
-                logit = logit + (embedded * phi.flatten(1)).sum(dim=1)
-            logits.append(logit.float())
+                logit = logit + (embedded.repeat_interleave(frames, dim=0) * phi.flatten(1)).sum(dim=1)
+            logit = logit.float()
+            logits.append(logit.view(batch, frames).mean(dim=1) if len(self.grid) == 3 else logit)
         return torch.stack(logits).mean(dim=0)
 
 
 def feature_blocks(args, num_blocks: int) -> list[int]:
     """``--dmd2-gan-feature-blocks``, default the middle block (``num_blocks // 2``)."""
-    blocks = getattr(args, "dmd2_gan_feature_blocks", None)
+    blocks = dmd2_settings(args).gan_feature_blocks
     return [int(index) for index in blocks] if blocks else [num_blocks // 2]
 
 
@@ -185,28 +200,27 @@ def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Modu
     optimizer).
 
     Raises:
-        ValueError: for a family without image tokens (``image_tokens`` / ``token_grid``) or a bad block index.
+        ValueError: for a family without :class:`~miles.models.capabilities.TokenFeatures` or a bad block index.
     """
     from miles.models import get_model_family
 
     family = get_model_family(args.hf_checkpoint, getattr(args, "diffusion_model_family", None))
-    critic = models["transformer"]
-    if not (hasattr(family, "image_tokens") and hasattr(family, "token_grid")):
-        raise ValueError(f"the {family.name} family exposes no image tokens; the DMD2 GAN head needs a DiT family")
+    critic = models[DENOISER]
+    require(family, TokenFeatures, "the DMD2 GAN head (--dmd2-gan-disc-weight)")
     indices = feature_blocks(args, len(family.blocks(critic)))
-    cond_dim = critic.config.pooled_projection_dim if getattr(args, "dmd2_gan_projection", False) else None
-    head = DiscriminatorHead(critic.config.num_attention_heads * critic.config.attention_head_dim,
-                             family.token_grid(critic), num_features=len(indices), cond_dim=cond_dim)  # fmt: skip
+    cond_dim = None
+    if dmd2_settings(args).gan_projection:
+        cond_dim = getattr(critic.config, "pooled_projection_dim", None)
+        if cond_dim is None:
+            raise ValueError(
+                f"--dmd2-gan-projection reads the prompt's pooled embedding, but the {family.name} family's denoiser "
+                "config has no pooled_projection_dim"
+            )
+    grid = family.token_grid(critic, tuple(family.latent_shape(args.hf_checkpoint)))
+    head = DiscriminatorHead(family.token_width(critic), grid, num_features=len(indices), cond_dim=cond_dim)
     # The tap lives on the head: the loss and scoring hooks find it through ctx.models["disc_head"].
     head.tap = FeatureTap(family, critic, indices)
     return {DISC_HEAD: head}
-
-
-def gan_noise_level(args, grid, allowed: torch.Tensor, count: int, generator: torch.Generator):
-    """Draw ``count`` diffusion-GAN noise levels like the scoring σ: grid positions uniform over ``allowed``, then
-    the noise. Returns ``(sigma float64 (count,), timestep float32 (count,))``."""
-    index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
-    return grid.sigmas[index], grid.timesteps[index].float()
 
 
 def discriminator_logits(
@@ -221,7 +235,7 @@ def discriminator_logits(
     transformer with ``cond`` under the head's tap and return the head's float32 logits ``(B,)``. Gradients flow to
     ``x0`` and to the critic and head parameters (as they require)."""
     head = ctx.models[DISC_HEAD]
-    ctx.predict_velocity(ctx.models["transformer"], noised(x0, sigma, noise), timestep, cond)
+    ctx.predict_velocity(ctx.models[DENOISER], forward_process(x0, sigma, noise), timestep, cond)
     return head(head.tap.features, pooled_embedding(head, cond))
 
 
@@ -271,10 +285,63 @@ def approximate_r1(logits_real: torch.Tensor, logits_perturbed: torch.Tensor) ->
     return (logits_real.float() - logits_perturbed.float()).pow(2)
 
 
-def noised(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The flow-matching ``x_σ = (1 − σ)·x0 + σ·ε`` of a batch, σ float ``(B,)``."""
-    sigma_b = sigma.to(device=x0.device, dtype=torch.float32).view(-1, *([1] * (x0.ndim - 1)))
-    return (1 - sigma_b) * x0 + sigma_b * noise.to(device=x0.device, dtype=x0.dtype)
+def judge_rows(
+    ctx,
+    real: torch.Tensor,
+    noised_real: torch.Tensor,
+    real_cond: dict[str, torch.Tensor],
+    sigma: torch.Tensor,
+    timestep: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], dict]:
+    """The discriminator's optional rows after the fakes and the reals, in this order, each only when its weight is
+    > 0 (the DMD2 settings):
+
+    * ``"mismatch"`` (``--dmd2-gan-mismatch-weight``): ``noised_real`` again (same σ and noise) with another real's
+      prompt (:func:`mismatched_rows`);
+    * ``"r1"`` (``--dmd2-gan-r1-weight``): the clean reals perturbed by ``α·ε'`` (``α`` = ``--dmd2-gan-r1-alpha``,
+      ``ε'`` from ``make_generator("gan_r1", seed, rollout, micro-batch, DP rank)``), then noised with the reals'
+      ``sigma`` and ``noise``, with their own prompts.
+
+    Args:
+        real: clean real latents float32 ``(B, ...)``; noised_real: the same noised, on ``ctx.device``.
+        real_cond: their collated cond on ``ctx.device``; sigma float64 ``(B,)``, timestep ``(B,)`` on
+            ``ctx.device`` and noise ``(B, ...)``: the reals' diffusion-GAN draw.
+
+    Returns:
+        ``([(group name, latents, timestep, cond), ...], extras)``; ``extras["gan_mismatch_valid"]`` (bool ``(B,)``)
+        with the mismatch rows.
+    """
+    settings = dmd2_settings(ctx.args)
+    rows, extras = [], {}
+    if settings.gan_mismatch_weight > 0:
+        index, valid = mismatched_rows(real_cond)
+        rows.append(("mismatch", noised_real, timestep, {k: v[index.to(v.device)] for k, v in real_cond.items()}))
+        extras["gan_mismatch_valid"] = valid
+    if settings.gan_r1_weight > 0:
+        generator = make_generator("gan_r1", ctx.args.seed, ctx.rollout_id, ctx.microbatch_id, ctx.dp_rank)
+        bump = settings.gan_r1_alpha * torch.randn(real.shape, generator=generator, dtype=torch.float32)
+        rows.append(("r1", forward_process(real + bump, sigma, noise).to(ctx.device), timestep, real_cond))
+    return rows, extras
+
+
+def judge_loss(
+    settings, logit: dict[str, torch.Tensor], extras: dict, metrics: dict[str, list[float]]
+) -> torch.Tensor:
+    """Per pair, the optional rows' discriminator terms (float32 ``(B,)``): ``w_mismatch · softplus(D(real, another
+    prompt))`` (0 for a pair without one) ``+ w_r1 · (D(real) − D(real + α·ε'))²``; ``logit`` maps each group of
+    :func:`judge_rows` (and ``"real"``) to its logits. Appends ``gan_logit_mismatch`` and ``gan_r1`` to ``metrics``.
+    """
+    terms = torch.zeros_like(logit["real"])
+    if "mismatch" in logit:
+        valid = extras["gan_mismatch_valid"].to(device=terms.device, dtype=torch.float32)
+        terms = terms + settings.gan_mismatch_weight * valid * F.softplus(logit["mismatch"])
+        metrics.setdefault("gan_logit_mismatch", []).extend(logit["mismatch"].detach().cpu().tolist())
+    if "r1" in logit:
+        r1 = approximate_r1(logit["real"], logit["r1"])
+        terms = terms + settings.gan_r1_weight * r1
+        metrics.setdefault("gan_r1", []).extend(r1.detach().cpu().tolist())
+    return terms
 
 
 def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> torch.Tensor:
@@ -283,6 +350,7 @@ def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> tor
     return F.softplus(logits_fake) + F.softplus(-logits_real)
 
 
+# discriminator_logits' inputs: it runs D through it, with x0 as the leaf of the gradient.
 def generator_gan_gradient(
     ctx,
     x0: torch.Tensor,
@@ -298,7 +366,7 @@ def generator_gan_gradient(
         ``(g_gan float32 (B, C, H, W), logits float32 (B,))``; each pair's gradient is its own loss's (the sum over
         the batch does not couple them).
     """
-    modules = [ctx.models["transformer"], ctx.models[DISC_HEAD]]
+    modules = [ctx.models[DENOISER], ctx.models[DISC_HEAD]]
     flags = [[param.requires_grad for param in module.parameters()] for module in modules]
     for module in modules:
         module.requires_grad_(False)
@@ -315,9 +383,8 @@ def generator_gan_gradient(
 
 
 def seeded_noise_levels(ctx, purpose: str, microbatch_id: int, x0_shape, grid, allowed):
-    """The σ, timestep and noise of one diffusion-GAN draw, from ``make_generator(purpose, seed, rollout,
-    micro-batch, DP rank)`` (σ first, then the noise, on the CPU)."""
+    """The σ, timestep and noise of one diffusion-GAN draw (:func:`miles.utils.sampling.draw_noise_levels` over the
+    ``allowed`` grid positions), from ``make_generator(purpose, seed, rollout, micro-batch, DP rank)``."""
     generator = make_generator(purpose, ctx.args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-    sigma, timestep = gan_noise_level(ctx.args, grid, allowed, x0_shape[0], generator)
-    noise = torch.randn(x0_shape, generator=generator, dtype=torch.float32)
+    _, sigma, timestep, noise = draw_noise_levels(generator, grid, tuple(x0_shape), allowed)
     return sigma, timestep, noise

@@ -9,10 +9,11 @@ import math
 
 import torch
 
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Settings
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS
-from miles.utils.sampling import FlowNoiseSchedule
+from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels
 
-__all__ = ["SCORING_SIGMA_RULES", "scoring_sigmas", "shift_sigma"]
+__all__ = ["SCORING_SIGMA_RULES", "draw_scoring_levels", "scoring_sigmas", "shift_sigma"]
 
 SCORING_SIGMA_RULES = ("grid", "shift", "logit-normal")
 
@@ -24,7 +25,7 @@ def shift_sigma(s: torch.Tensor, k: float) -> torch.Tensor:
 
 
 def scoring_sigmas(
-    args, grid: FlowNoiseSchedule, allowed: torch.Tensor, count: int, generator: torch.Generator
+    settings: DMD2Settings, grid: FlowNoiseSchedule, allowed: torch.Tensor, count: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scoring noise levels of ``count`` pairs, drawn with ``generator`` by ``--dmd2-scoring-sigma``:
 
@@ -49,19 +50,19 @@ def scoring_sigmas(
     Raises:
         ValueError: for an unknown rule.
     """
-    rule = getattr(args, "dmd2_scoring_sigma", "grid")
+    rule = settings.scoring_sigma
     if rule == "grid":
         index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
         return grid.sigmas[index], grid.timesteps[index].float()
-    low, high = float(args.dmd2_min_timestep_ratio), float(args.dmd2_max_timestep_ratio)
+    low, high = float(settings.min_timestep_ratio), float(settings.max_timestep_ratio)
     u = torch.rand(count, generator=generator, dtype=torch.float64)
     if rule == "shift":
-        k = float(args.dmd2_scoring_shift)
+        k = float(settings.scoring_shift)
         # the inverse of σ = k·s / (1 + (k − 1)·s) is s = σ / (k − (k − 1)·σ)
         s_low, s_high = low / (k - (k - 1) * low), high / (k - (k - 1) * high)
         sigma = shift_sigma(s_low + (s_high - s_low) * u, k)
     elif rule == "logit-normal":
-        mean, std = float(args.dmd2_scoring_logit_mean), float(args.dmd2_scoring_logit_std)
+        mean, std = float(settings.scoring_logit_mean), float(settings.scoring_logit_std)
         normal = torch.distributions.Normal(
             torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
         )
@@ -75,3 +76,24 @@ def scoring_sigmas(
     else:
         raise ValueError(f"--dmd2-scoring-sigma {rule!r} is not one of {SCORING_SIGMA_RULES}")
     return sigma, (sigma * NUM_TRAIN_TIMESTEPS).float()
+
+
+def draw_scoring_levels(
+    settings: DMD2Settings,
+    generator: torch.Generator,
+    grid: FlowNoiseSchedule,
+    shape: tuple[int, ...],
+    allowed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One scoring micro-batch's noise levels (:func:`scoring_sigmas`), then its noise ``ε`` of ``shape``, from
+    ``generator`` in that order. The ``grid`` rule is :func:`miles.utils.sampling.draw_noise_levels` itself, so the
+    default draws what every trainer-side noise level draws.
+
+    Returns:
+        ``(sigma float64 (B,), timestep float32 (B,), noise float32 shape)``.
+    """
+    if settings.scoring_sigma == "grid":
+        _, sigma, timestep, noise = draw_noise_levels(generator, grid, tuple(shape), allowed)
+        return sigma, timestep, noise
+    sigma, timestep = scoring_sigmas(settings, grid, allowed, shape[0], generator)
+    return sigma, timestep, torch.randn(tuple(shape), generator=generator, dtype=torch.float32)

@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.models.base import DENOISER
+
 __all__ = ["PreparedBatch", "TrainContext"]
 
 
@@ -17,12 +19,12 @@ class PreparedBatch:
     hands it to the loss hook together with this batch.
 
     Attributes:
-        latents: ``(B, C, H, W)`` denoiser input ``x_σ``, float32.
+        latents: ``(B, C, H, W)`` denoiser input ``x_σ``, float32 (any latent rank: ``(B, C, F, H, W)`` for video).
         timestep: float32 ``(B,)`` in [0, 1000] (``σ · 1000``).
         cond: batched cond kwargs, ``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``.
         target: the regression target if the loss has one, e.g. the velocity ``ε − x0`` ``(B, C, H, W)``.
         extras: hook-private values (``sigma (B,)``, noise, the rollout's x0, ...).
-        component: which trainable model runs the forward.
+        component: which trainable model runs the forward (the denoiser, ``miles.models.base.DENOISER``).
     """
 
     latents: torch.Tensor
@@ -30,7 +32,7 @@ class PreparedBatch:
     cond: dict[str, torch.Tensor]
     target: torch.Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
-    component: str = "transformer"
+    component: str = DENOISER
 
 
 @dataclass
@@ -39,7 +41,7 @@ class TrainContext:
 
     Attributes:
         args: this trainer group's args (after its ``TrainerConfig`` overrides).
-        models: trainable models by component name (``{"transformer": FSDP module}``).
+        models: trainable models by component name (``{DENOISER: FSDP module}``, ``DENOISER = "transformer"``).
         teacher_models: frozen models from ``--teacher-load`` by component name, ``{}`` without a teacher.
         external_data: earlier groups' train outputs for this rank and rollout, by role (``{"critic": ...}``).
         family: the model family (``miles.models``): prompt encoding, velocity forward.
@@ -68,7 +70,8 @@ class TrainContext:
     def predict_velocity(
         self, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """Run ``model`` on this context's device and dtype and return the velocity ``v`` as float32 ``(B, C, H, W)``."""
+        """Run ``model`` on this context's device and dtype and return the velocity ``v`` as float32 of the
+        latents' shape."""
         cond = {key: value.to(self.device, self.dtype) for key, value in cond.items()}
         return self.family.predict_velocity(
             model, latents.to(self.device, self.dtype), timestep.to(self.device, torch.float32), cond

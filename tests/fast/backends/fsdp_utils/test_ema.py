@@ -67,7 +67,12 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
             optimizer = build_optimizer([model], args)
             scheduler = build_lr_scheduler(optimizer, args, 10)
             ema = ParameterEMA(modules, decay=0.99)
-            return model, optimizer, scheduler, ema, checkpoint.TrainState(modules, optimizer, ema)
+            states = {
+                "train": checkpoint.ModulesState(modules, optimizer),
+                "ema": ema,
+                "scheduler": checkpoint.SchedulerState(scheduler),
+            }
+            return model, optimizer, scheduler, ema, states
 
         model, optimizer, scheduler, ema, state = group()
         for step in range(3):
@@ -76,10 +81,10 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
             scheduler.step()
             optimizer.zero_grad()
             ema.update()
-        checkpoint.save_checkpoint(tmp_path / "ckpt", 2, state, scheduler, role="actor")
+        checkpoint.save_checkpoint(tmp_path / "ckpt", 2, state, role="actor")
         saved = {name: t.full_tensor().clone() for name, t in ema.state_dict()["shadow"].items()}
-        _, _, fresh_scheduler, fresh_ema, fresh_state = group()
-        checkpoint.load_checkpoint(tmp_path / "ckpt", 2, fresh_state, fresh_scheduler)
+        _, _, _, fresh_ema, fresh_state = group()
+        checkpoint.load_checkpoint(tmp_path / "ckpt", 2, fresh_state)
         loaded = {name: t.full_tensor() for name, t in fresh_ema.state_dict()["shadow"].items()}
         assert fresh_ema.num_updates == ema.num_updates == 3
     assert saved.keys() == loaded.keys()
@@ -112,3 +117,24 @@ def test_ema_min_decay_and_update_after_step_set_the_warm_up():
     assert decays(update_after_step=3) == pytest.approx([0.0, 0.0, 0.0, 0.0, 2 / 11, 3 / 12])
     with pytest.raises(ValueError, match="--ema-min-decay must be in \\[0, --ema-decay 0.9\\]"):
         ParameterEMA(nn.ModuleDict({"layer": nn.Linear(1, 1)}), decay=0.9, min_decay=0.95)
+
+
+def test_the_model_set_builds_its_ema_with_the_warm_up_flags(tmp_path):
+    """``build_model_set`` (the trainer's EMA) reads --ema-min-decay and --ema-update-after-step; a group of one needs
+    no process group."""
+    from miles.backends.fsdp_utils.model_set import build_model_set
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    flags = ["--ema-decay", "0.99", "--ema-min-decay", "0.5", "--ema-update-after-step", "2"]
+    args = make_args(pipeline, tmp_path, *flags)
+    models = build_model_set(args, get_model_family(pipeline), torch.device("cpu"), torch.float32, None, [])
+    assert (models.ema._ema.decay, models.ema._ema.min_decay, models.ema._ema.update_after_step) == (0.99, 0.5, 2)
+    default = build_model_set(make_args(pipeline, tmp_path, "--ema-decay", "0.99"), get_model_family(pipeline),
+                              torch.device("cpu"), torch.float32, None, [])  # fmt: skip
+    assert (default.ema._ema.min_decay, default.ema._ema.update_after_step) == (0.0, 0)
+    from miles.driver.validators import validate_number_args
+    from miles.utils.validation import ArgumentValidationError
+
+    args.ema_min_decay = 0.995
+    with pytest.raises(ArgumentValidationError, match="--ema-min-decay 0.995 must be <= --ema-decay 0.99"):
+        validate_number_args(args)

@@ -5,26 +5,27 @@ real images, FSDP2 on a 1-rank gloo process group for the sharded side.
 """
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_hub
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Pair
 from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
     DiscriminatorHead,
     build_discriminator,
     disc_loss_terms,
     generator_gan_gradient,
-    noised,
 )
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import shard_model
-from miles.models import get_model_family
-from miles.utils.types import TrainPair
-from tests.support.trainer import TEXT_DIM, make_pipeline, single_process_group
+from miles.models import ModelFamily, TrueCFG, get_model_family
+from miles.utils.sampling import forward_process
+from miles.utils.types import DenoisingEnv, Sample, TrainPair
+from tests.support.trainer import TEXT_DIM, dmd2_args, make_pipeline, single_process_group
 
 COND_LEN = 16
 
@@ -45,7 +46,7 @@ def _args(pipeline, **overrides):
         sft_uncond_prob=0.0,
     )
     base.update(overrides)
-    return SimpleNamespace(**base)
+    return dmd2_args(**base)
 
 
 def _ctx(args, family, models, teacher=None, external=None):
@@ -114,7 +115,7 @@ def test_g_gan_equals_autograd_through_an_unsharded_copy(tmp_path):
     captured = []
     ref_critic.transformer_blocks[1].register_forward_hook(lambda m, i, out: captured.append(out[1]))
     x = x0.clone().requires_grad_(True)
-    family.predict_velocity(ref_critic, noised(x, sigma, noise), timestep, cond)
+    family.predict_velocity(ref_critic, forward_process(x, sigma, noise), timestep, cond)
     (expected,) = torch.autograd.grad(F.softplus(-ref_head(captured)).sum(), x)
 
     with single_process_group() as mesh:
@@ -147,7 +148,9 @@ def test_the_head_learns_real_digits_from_noised_fakes(tmp_path):
     losses = []
     for _ in range(6):
         both = {key: torch.cat([value, value]) for key, value in cond.items()}
-        family.predict_velocity(critic, noised(torch.cat([fake, real]), sigma, noise), (sigma * 1000).float(), both)
+        family.predict_velocity(
+            critic, forward_process(torch.cat([fake, real]), sigma, noise), (sigma * 1000).float(), both
+        )
         logits = head(head.tap.features)
         loss = disc_loss_terms(logits[:16], logits[16:]).mean()
         optimizer.zero_grad()
@@ -166,7 +169,7 @@ def _generator_inputs(family, pipeline):
     conds = _cond(3, 5)
     for i in range(3):
         pairs.append(
-            TrainPair(
+            DMD2Pair(
                 sample_index=i,
                 x0=latents[i] * 0.5,
                 pos_cond={key: value[i] for key, value in conds.items()},
@@ -247,8 +250,9 @@ def test_the_critic_gan_batch_runs_sft_fakes_and_reals_in_one_forward(tmp_path):
             sample_index=i,
             x0=fake[i],
             pos_cond={k: v[i] for k, v in conds.items()},
-            real_x0=real[i],
-            real_cond={k: v[i] for k, v in real_conds.items()},
+            extras={
+                "real": Sample(i, f"real {i}", env=DenoisingEnv({k: v[i] for k, v in real_conds.items()}), x0=real[i])
+            },
         )
         for i in range(4)
     ]
@@ -275,3 +279,37 @@ def test_the_critic_gan_batch_runs_sft_fakes_and_reals_in_one_forward(tmp_path):
         assert "--dmd2-gan-real-data" in str(exc)
     else:
         raise AssertionError("a pair without its real sample was accepted")
+
+
+def test_a_video_grid_runs_each_frame_through_the_2d_head_and_averages_the_frames():
+    torch.manual_seed(0)
+    video = DiscriminatorHead(24, (3, 4, 4), num_features=2)
+    image = DiscriminatorHead(24, (4, 4), num_features=2)
+    image.load_state_dict(video.state_dict())  # one design: the same parameters judge a frame and an image
+    gen = torch.Generator().manual_seed(1)
+    features = [torch.randn(2, 3 * 16, 24, generator=gen) for _ in range(2)]  # (B, f·h·w, D), row-major f, h, w
+    frames = [tokens.view(2, 3, 16, 24).reshape(6, 16, 24) for tokens in features]  # (B·f, h·w, D)
+    torch.testing.assert_close(video(features), image(frames).view(2, 3).mean(dim=1), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="expected 3×4×4 image tokens, got 16"):
+        video([tokens[:, :16] for tokens in features])
+    with pytest.raises(ValueError, match=r"a token grid is \(h, w\) or \(f, h, w\)"):
+        DiscriminatorHead(24, (2, 3, 4, 4))
+
+
+def test_a_family_without_a_feature_tap_gets_no_gan_head(tmp_path):
+    pipeline = make_pipeline(tmp_path / "digits")
+    args = _args(pipeline, diffusion_model_family=f"{__name__}.NoTapFamily")
+    critic = get_model_family(pipeline).load_denoiser(pipeline)
+    with pytest.raises(ValueError, match=r"the DMD2 GAN head .* needs a model family that implements .*TokenFeatures"):
+        build_discriminator(args, {"transformer": critic})
+
+
+class NoTapFamily(ModelFamily, TrueCFG):
+    """A complete family that declares no TokenFeatures (the GAN head refuses it before calling anything)."""
+
+    name, pipeline_classes = "no_tap_test", ()
+
+    def load_denoiser(self, path, dtype=torch.float32):
+        raise AssertionError("not reached")
+
+    load_text_encoder = encode_prompts = latent_shape = predict_velocity = blocks = load_denoiser

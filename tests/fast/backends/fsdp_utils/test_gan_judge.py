@@ -15,11 +15,11 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
     approximate_r1,
     build_discriminator,
     mismatched_rows,
-    noised,
 )
 from miles.models import get_model_family
 from miles.utils.misc import make_generator
-from miles.utils.types import TrainPair
+from miles.utils.sampling import forward_process
+from miles.utils.types import DenoisingEnv, Sample, TrainPair
 from tests.fast.backends.fsdp_utils.test_gan import _args, _cond, _ctx, _digits, _generator_inputs, _generator_step
 from tests.support.trainer import TEXT_DIM, make_pipeline
 
@@ -106,8 +106,9 @@ def _gan_pairs(count: int = 4) -> list[TrainPair]:
             sample_index=i,
             x0=fake[i],
             pos_cond={k: v[i] for k, v in conds.items()},
-            real_x0=real[i],
-            real_cond={k: v[i] for k, v in real_conds.items()},
+            extras={
+                "real": Sample(i, f"real {i}", env=DenoisingEnv({k: v[i] for k, v in real_conds.items()}), x0=real[i])
+            },
         )
         for i in range(count)
     ]
@@ -134,11 +135,13 @@ def test_the_critic_batch_adds_mismatched_and_perturbed_reals_and_the_loss_weigh
     pooled = prepared.cond["pooled_projections"]
     assert torch.equal(pooled[12:16], pooled[8:12][torch.tensor([2, 2, 3, 0])])
     # R1 rows: the reals bumped by α·ε' ("gan_r1" generator) before the reals' own noising
-    real = torch.stack([p.real_x0 for p in pairs])
+    real = torch.stack([p.extras["real"].x0 for p in pairs])
     bump = 0.1 * torch.randn(real.shape, generator=make_generator("gan_r1", 5, 2, 1, 0))
     sigma = prepared.extras["gan_sigma"][4:]
     noise = (prepared.latents[8:12] - (1 - sigma.float().view(-1, 1, 1, 1)) * real) / sigma.float().view(-1, 1, 1, 1)
-    torch.testing.assert_close(prepared.latents[16:20], noised(real + bump, sigma, noise), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        prepared.latents[16:20], forward_process(real + bump, sigma, noise), rtol=1e-5, atol=1e-5
+    )
     assert torch.equal(prepared.timestep[16:20], prepared.timestep[8:12])
 
     new_pred = ctx.predict_velocity(critic, prepared.latents, prepared.timestep, prepared.cond)

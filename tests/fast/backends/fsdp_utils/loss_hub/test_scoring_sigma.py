@@ -1,16 +1,16 @@
 """The DMD2 scoring σ draws (``--dmd2-scoring-sigma``): the default repeats the grid draw bit for bit, the shifted
 and logit-normal rules follow their analytic distributions inside the scoring range, from their seed alone."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 from scipy.special import logit, ndtr
 
 from miles.backends.fsdp_utils.loss_hub.dmd2 import scoring_grid_indices
-from miles.backends.fsdp_utils.loss_hub.scoring_sigma import scoring_sigmas, shift_sigma
+from miles.backends.fsdp_utils.loss_hub.scoring_sigma import draw_scoring_levels, scoring_sigmas, shift_sigma
 from miles.backends.fsdp_utils.loss_hub.sft import trainer_flow_grid
+from miles.utils.sampling import draw_noise_levels
+from tests.support.trainer import dmd2_args
 
 LOW, HIGH = 0.02, 0.98
 DRAWS = 40_000
@@ -26,12 +26,13 @@ def _args(rule: str, **overrides):
         dmd2_scoring_logit_mean=0.0,
         dmd2_scoring_logit_std=1.0,
     )
-    return SimpleNamespace(**{**values, **overrides})
+    return dmd2_args(**{**values, **overrides})
 
 
 def _draw(args, count=DRAWS, seed=0):
     grid = trainer_flow_grid(args)
-    return scoring_sigmas(args, grid, scoring_grid_indices(args, grid), count, torch.Generator().manual_seed(seed))
+    allowed = scoring_grid_indices(args, grid)
+    return scoring_sigmas(args.method_settings, grid, allowed, count, torch.Generator().manual_seed(seed))
 
 
 def test_the_grid_rule_is_the_uniform_grid_draw_of_before():
@@ -41,6 +42,10 @@ def test_the_grid_rule_is_the_uniform_grid_draw_of_before():
     sigma, timestep = _draw(args, count=64, seed=3)
     index = allowed[torch.randint(0, len(allowed), (64,), generator=torch.Generator().manual_seed(3))]
     assert torch.equal(sigma, grid.sigmas[index]) and torch.equal(timestep, grid.timesteps[index].float())
+    # the scoring hook's draw is the trainer-wide noise-level draw itself: σ first, then the noise
+    levels = draw_scoring_levels(args.method_settings, torch.Generator().manual_seed(3), grid, (64, 1, 8, 8), allowed)
+    _, *expected = draw_noise_levels(torch.Generator().manual_seed(3), grid, (64, 1, 8, 8), allowed)
+    assert all(torch.equal(got, want) for got, want in zip(levels, expected, strict=True))
     # on the shift-3 grid few draws fall where an 8x8 digit's detail is decided
     share = float((_draw(args)[0] < 0.2).double().mean())
     assert 0.065 < share < 0.085

@@ -1,0 +1,156 @@
+"""What a model family can do beyond the ``ModelFamily`` protocol, declared by subclassing a capability protocol.
+
+A family class lists what it implements in its bases, e.g. ``class SD3Family(ModelFamily, TrueCFG, PixelCodec,
+TokenFeatures)``; :func:`supports` reads the bases (nominal, not structural: a method that merely exists is not a
+declaration). Each protocol's abstract methods must then be implemented.
+
+- **Guidance form** (exactly one): :class:`TrueCFG` (the teacher runs a conditional and an unconditional branch,
+  ``u + w·(c − u)``; SD3, digits, Qwen-Image, Wan) or :class:`EmbeddedGuidance` (a guidance-distilled teacher takes
+  ``w`` as an input and runs once; FLUX.1-dev). ``--dmd2-teacher-guidance-scale w`` and ``--diffusion-guidance-scale
+  w`` mean the same for both: the strength of guidance, 1 = none for true CFG.
+- :class:`PixelCodec` (optional): pixels ↔ latents. Unlocks records with images (``--image-key`` data,
+  ``--dmd2-gan-real-data`` images, ``python -m miles.rollout.encode_images``) and decoded eval and debug images;
+  without it, data comes as latent files (``--latent-key``) and images are drawn from the raw latents.
+- :class:`TokenFeatures` (optional): the denoiser's image tokens after a block. Unlocks the DMD2 GAN head
+  (``--dmd2-gan-disc-weight``).
+"""
+
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from miles.utils.sampling import guided_velocity as true_cfg_velocity
+
+__all__ = [
+    "GUIDANCE_FORMS",
+    "EmbeddedGuidance",
+    "PixelCodec",
+    "TokenFeatures",
+    "TrueCFG",
+    "decode_latents",
+    "require",
+    "supports",
+]
+
+Cond = dict[str, Tensor]
+# predict(latents, timestep, cond) -> v: a family's predict_velocity bound to one denoiser
+Predict = Callable[[Tensor, Tensor, Cond], Tensor]
+
+
+class TrueCFG(Protocol):
+    """Guidance form: classifier-free guidance with two branches, ``v = v_u + w·(v_c − v_u)`` (Ho & Salimans 2022),
+    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward."""
+
+    def guided_velocity(
+        self,
+        predict: Predict,
+        latents: Tensor,
+        timestep: Tensor,
+        cond: Cond,
+        neg_cond: Cond | None,
+        guidance_scale: float,
+    ) -> Tensor:
+        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`.
+
+        Raises:
+            ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``.
+        """
+        return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)
+
+
+class EmbeddedGuidance(Protocol):
+    """Guidance form: a guidance-distilled denoiser takes the scale ``w`` as a forward input (FLUX.1-dev's
+    ``guidance``) and runs once; the negative prompt is not used."""
+
+    @abstractmethod
+    def guidance_cond(self, guidance_scale: float, batch: int) -> Cond:
+        """The cond kwargs that carry ``w`` for ``batch`` rows, e.g. ``{"guidance": torch.full((batch,), w)}``."""
+
+    # The signature of TrueCFG.guided_velocity, repeated on purpose: the samplers call either form alike.
+    def guided_velocity(
+        self,
+        predict: Predict,
+        latents: Tensor,
+        timestep: Tensor,
+        cond: Cond,
+        neg_cond: Cond | None,
+        guidance_scale: float,
+    ) -> Tensor:
+        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``."""
+        extra = self.guidance_cond(guidance_scale, len(latents))
+        extra = {key: value.to(latents.device) for key, value in extra.items()}
+        return predict(latents, timestep, {**cond, **extra}).float()
+
+
+GUIDANCE_FORMS = (TrueCFG, EmbeddedGuidance)
+
+
+class PixelCodec(Protocol):
+    """Pixels ↔ latents (a VAE, or a pixel-space scaling as the digits family's)."""
+
+    @abstractmethod
+    def image_shape(self, path) -> tuple[int, ...]:
+        """The pixel shape ``(H, W, C)`` (video: ``(F, H, W, C)``) whose latent is one of ``latent_shape``."""
+
+    @abstractmethod
+    def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (or float 0..255) pixels ``(B, *image_shape)`` → float32 latents ``(B, *latent_shape)``."""
+
+    @abstractmethod
+    def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``)."""
+
+
+class TokenFeatures(Protocol):
+    """The denoiser's image tokens, the features the DMD2 GAN head reads (tianweiy/DMD2 taps the fake score's
+    bottleneck; a DiT's middle block is its counterpart)."""
+
+    @abstractmethod
+    def image_tokens(self, block_output: Any) -> torch.Tensor:
+        """The image tokens ``(B, N, D)`` of one of :meth:`~miles.models.base.ModelFamily.blocks`' outputs (a
+        joint-attention block returns text and image tokens; keep the image's), N = the product of the grid."""
+
+    @abstractmethod
+    def token_grid(self, denoiser: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """How the N tokens of a ``latent_shape`` latent lie, row-major: ``(h, w)`` for an image, ``(f, h, w)``
+        for a video (the latent's sizes divided by the patch size)."""
+
+    @abstractmethod
+    def token_width(self, denoiser: nn.Module) -> int:
+        """D, the width of a token (the transformer's inner dimension)."""
+
+
+def supports(family: Any, capability: type) -> bool:
+    """Whether ``family`` (an instance or a class) declares ``capability`` by subclassing it."""
+    cls = family if isinstance(family, type) else type(family)
+    return capability in cls.__mro__
+
+
+def require(family: Any, capability: type, needed_by: str) -> None:
+    """Raise unless ``family`` declares ``capability``.
+
+    Raises:
+        ValueError: ``"<needed_by> needs a family that implements <capability>; the <name> family does not"``.
+    """
+    if not supports(family, capability):
+        name = getattr(family, "name", type(family).__name__)
+        raise ValueError(
+            f"{needed_by} needs a model family that implements miles.models.capabilities.{capability.__name__}; "
+            f"the {name} family does not"
+        )
+
+
+def decode_latents(family: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Latents ``(B, *latent_shape)`` as uint8 pixels for eval grids and hooks: the family's
+    :meth:`PixelCodec.latents_to_images` when it has one, else the raw latent read as pixels in [-1, 1]
+    (``round((x + 1) · 127.5)`` after clipping) with its first 3 channels (or its one) as colours, so that a family
+    without a codec still shows something. Returns ``(B, H, W, C)`` or, for video, ``(B, F, H, W, C)``."""
+    if supports(family, PixelCodec):
+        return family.latents_to_images(latents)
+    x = latents.detach().float().cpu()
+    x = x[:, :3] if x.shape[1] >= 3 else x[:, :1]
+    pixels = torch.floor((x.clamp(-1.0, 1.0) + 1.0) * 127.5 + 0.5).to(torch.uint8)
+    return pixels.movedim(1, -1).contiguous()
