@@ -205,9 +205,15 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     if args.eval_interval and args.eval_prompt_data:
         eval_records = _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
         check_record_files(args, "--eval-prompt-data", args.eval_prompt_data, eval_records, None)
-    for side in get_method(args).side_inputs(args):
+    side_inputs = get_method(args).side_inputs(args)
+    for side in side_inputs:
         side_records = _check_real_data(args, side.flag, side.path)
         check_record_files(args, side.flag, side.path, side_records, shape)
+    # The GAN's held-out reals, read at evaluations only (not a side input: no record per sample).
+    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)
+    if side_inputs and args.eval_interval and eval_real_data:
+        eval_real_records = _check_real_data(args, "--dmd2-gan-eval-real-data", eval_real_data)
+        check_record_files(args, "--dmd2-gan-eval-real-data", eval_real_data, eval_real_records, shape)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     get_method(args).check_inputs(args)

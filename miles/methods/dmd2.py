@@ -25,13 +25,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
-from miles.backends.fsdp_utils.loss_hub import gan
+from miles.backends.fsdp_utils.loss_hub import gan, scoring_sigma
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
+from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
@@ -64,82 +63,6 @@ DMD2_GAN_CRITIC_HOOKS = {
     "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_gan_batch),
     "custom_loss_function_path": hook_path(dmd2_loss.critic_gan_loss),
 }
-
-
-# Rows of the debug grid of each evaluation: one per distinct eval prompt, at most this many.
-DEBUG_SAMPLES = 10
-
-
-def debug_records(records: list[dict], input_key: str, limit: int = DEBUG_SAMPLES) -> list[dict]:
-    """One record per distinct prompt, in the order they first appear, at most ``limit``: the eval prompts of a
-    file sorted by class (the digits' ten rows of ten) give one row per class, not ``limit`` rows of the first."""
-    chosen: dict[str, dict] = {}
-    for record in records:
-        chosen.setdefault(str(record[input_key]), record)
-        if len(chosen) == limit:
-            break
-    return list(chosen.values())
-
-
-def _row_label(prompt: str, pair, sigma: float, num_steps: int) -> str:
-    shown = prompt if len(prompt) <= 30 else prompt[:27] + "..."
-    # x_i is the student's input of step i + 1 of num_steps (1-based, as a user counts steps).
-    stopped = f"x_i: step {pair.step_index + 1} of {num_steps}, sigma {pair.sigma:.2f}"
-    return f"{shown}\n{stopped}\nscored at sigma {sigma:.2f}"
-
-
-def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict], rollout_id: int) -> Path:
-    """Generate ``records``' samples with the actor group (rollout id ``"debug"``), score them with the critic
-    group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`
-    with a title (the rollout, the weights that drew the samples), one labelled row per record (its prompt, the
-    step the student stopped at with its σ, the σ the teacher and critic scored at) and the colour legend."""
-    import ray
-
-    from miles.eval.debug_grid import save_dmd2_debug_grid
-    from miles.models import PixelCodec, get_model_family, supports
-    from miles.ray.actor_group import split_shard
-    from miles.rollout.data_source import make_prompt_shard
-    from miles.rollout.engine import data_base_dir
-    from miles.utils.types import Box
-
-    actor, critic = groups["actor"], groups["critic"]
-    base_dir = data_base_dir(args.eval_prompt_data or args.prompt_data)
-    shard = make_prompt_shard("debug", records, input_key=args.input_key, base_dir=base_dir)
-    shards, pad = split_shard(shard, actor.world_size)
-    results = ray.get(actor.async_generate("debug", [Box(ray.put(part)) for part in shards]))
-    boxes = [result.pairs for result in results]
-    scores = [ray.get(box.inner) for box in ray.get(critic.async_train_output("debug", boxes))]
-    pairs = [pair for box in boxes for pair in ray.get(box.inner)]
-    keep = len(pairs) - pad
-    pairs = pairs[:keep]
-
-    def column(name: str) -> torch.Tensor:
-        return torch.cat([part[name] for part in scores])[:keep].float()
-
-    student = torch.stack([pair.x0 for pair in pairs]).float()
-    real, fake = column("x0_real"), column("x0_fake")
-    dims = tuple(range(1, student.ndim))  # every latent axis: (C, H, W), or (C, F, H, W) for video
-    normalizer = (student - real).abs().mean(dim=dims, keepdim=True).clamp_min(dmd2_loss.NORMALIZER_FLOOR)
-    columns = {
-        "x_i": torch.stack([pair.latent for pair in pairs]).float(),
-        "x0 student": student,
-        "x0 teacher": real,
-        "x0 critic": fake,
-        "g": torch.nan_to_num((fake - real) / normalizer, nan=0.0, posinf=0.0, neginf=0.0),
-    }
-    if "g_gan" in scores[0]:
-        columns["g_gan"] = column("g_gan")
-    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-    path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
-    steps = len(args.diffusion_timesteps) if args.diffusion_timesteps else args.diffusion_num_steps
-    sigmas = column("sigma").tolist()
-    title = (
-        f"DMD2 debug, after rollout {rollout_id}: student samples from its live weights (rollouts never use the "
-        f"EMA), teacher CFG {args.dmd2_teacher_guidance_scale:g}, critic unguided"
-    )
-    labels = [_row_label(pair.prompt, pair, sigma, steps) for pair, sigma in zip(pairs, sigmas)]
-    decode = family.latents_to_images if supports(family, PixelCodec) else None  # else raw latents as pixels
-    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=decode, title=title, row_labels=labels)
 
 
 def _int_list(text: str) -> list[int]:
@@ -221,6 +144,44 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
             reject(f"--dmd2-gan-feature-blocks holds {block}; block indices are >= 0")
     if args.dmd2_gan_real_data and not gan_enabled(args):
         reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
+    _validate_scoring_sigma(args)
+    for flag, value in (
+        ("--dmd2-gan-mismatch-weight", args.dmd2_gan_mismatch_weight),
+        ("--dmd2-gan-r1-weight", args.dmd2_gan_r1_weight),
+        ("--dmd2-gan-r1-alpha", args.dmd2_gan_r1_alpha),
+        ("--dmd2-gan-start-rollout", args.dmd2_gan_start_rollout),
+    ):
+        check_number(flag, value, low=0)
+    gan_only = {
+        "--dmd2-gan-projection": args.dmd2_gan_projection,
+        "--dmd2-gan-mismatch-weight": args.dmd2_gan_mismatch_weight > 0,
+        "--dmd2-gan-r1-weight": args.dmd2_gan_r1_weight > 0,
+        "--dmd2-gan-start-rollout": args.dmd2_gan_start_rollout > 0,
+        "--dmd2-gan-eval-real-data": bool(args.dmd2_gan_eval_real_data),
+    }
+    for flag, used in gan_only.items():
+        if used and not gan_enabled(args):
+            reject(f"{flag} changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it")
+    if args.dmd2_gan_mismatch_weight > 0 and args.micro_batch_size < 2:
+        reject(
+            "--dmd2-gan-mismatch-weight shows each real with another real's prompt from its micro-batch: set "
+            f"--micro-batch-size >= 2 (got {args.micro_batch_size})"
+        )
+    if args.dmd2_gan_eval_real_data and not args.eval_interval:
+        reject("--dmd2-gan-eval-real-data is read at evaluations only: set --eval-interval, or remove it")
+
+
+def _validate_scoring_sigma(args: argparse.Namespace) -> None:
+    rule = args.dmd2_scoring_sigma
+    check_number("--dmd2-scoring-shift", args.dmd2_scoring_shift, low=0, low_open=True)
+    check_number("--dmd2-scoring-logit-mean", args.dmd2_scoring_logit_mean)
+    check_number("--dmd2-scoring-logit-std", args.dmd2_scoring_logit_std, low=0, low_open=True)
+    defaults = {"--dmd2-scoring-shift": (args.dmd2_scoring_shift, 1.0, "shift")}
+    defaults["--dmd2-scoring-logit-mean"] = (args.dmd2_scoring_logit_mean, 0.0, "logit-normal")
+    defaults["--dmd2-scoring-logit-std"] = (args.dmd2_scoring_logit_std, 1.0, "logit-normal")
+    for flag, (value, default, needs) in defaults.items():
+        if value != default and rule != needs:
+            reject(f"{flag} is read by --dmd2-scoring-sigma {needs} only (got --dmd2-scoring-sigma {rule})")
 
 
 class DMD2Method(Method):
@@ -273,6 +234,32 @@ class DMD2Method(Method):
             help="Highest scoring timestep / 1000 (reference 98%%).",
         )
         group.add_argument(
+            "--dmd2-scoring-sigma",
+            type=str,
+            default="grid",
+            choices=scoring_sigma.SCORING_SIGMA_RULES,
+            help="Scoring σ draw: grid (uniform over the --fsdp-flow-shift grid), shift (--dmd2-scoring-shift) or "
+            "logit-normal (SD3's, --dmd2-scoring-logit-mean/-std); all within the min/max timestep ratios.",
+        )
+        group.add_argument(
+            "--dmd2-scoring-shift",
+            type=float,
+            default=1.0,
+            help="With --dmd2-scoring-sigma shift: σ = k·s/(1+(k−1)·s), s uniform; 1 = uniform σ, < 1 favours low σ.",
+        )
+        group.add_argument(
+            "--dmd2-scoring-logit-mean",
+            type=float,
+            default=0.0,
+            help="With --dmd2-scoring-sigma logit-normal: mean of logit(σ) (SD3: 0; negative favours low σ).",
+        )
+        group.add_argument(
+            "--dmd2-scoring-logit-std",
+            type=float,
+            default=1.0,
+            help="With --dmd2-scoring-sigma logit-normal: standard deviation of logit(σ) (SD3: 1).",
+        )
+        group.add_argument(
             "--dmd2-gan-disc-weight",
             type=float,
             default=0.0,
@@ -301,6 +288,43 @@ class DMD2Method(Method):
             type=_int_list,
             default=None,
             help="Phase 2: critic blocks whose image tokens feed the head, e.g. '6,12'; default the middle one.",
+        )
+        group.add_argument(
+            "--dmd2-gan-start-rollout",
+            type=int,
+            default=0,
+            help="Phase 2: the student adds the GAN gradient from this rollout on (the head trains from the start).",
+        )
+        group.add_argument(
+            "--dmd2-gan-projection",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="Phase 2: add the projection term <V·pooled prompt embedding, φ(x)> to the head (Miyato & Koyama 2018).",
+        )
+        group.add_argument(
+            "--dmd2-gan-mismatch-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of real images shown with another sample's prompt as fakes (Reed et al. 2016).",
+        )
+        group.add_argument(
+            "--dmd2-gan-r1-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of the approximate R1 penalty mean((D(real) − D(real + α·ε))²) (FastGen, APT).",
+        )
+        group.add_argument(
+            "--dmd2-gan-r1-alpha",
+            type=float,
+            default=0.1,
+            help="Phase 2: α, the std of the approximate R1's pixel perturbation of the clean reals (FastGen: 0.1).",
+        )
+        group.add_argument(
+            "--dmd2-gan-eval-real-data",
+            type=str,
+            default=None,
+            help="Phase 2: held-out real samples (JSONL like --dmd2-gan-real-data) on which every evaluation logs the "
+            "discriminator's quality (eval/disc_*).",
         )
 
     def set_defaults(self, args: argparse.Namespace) -> None:
@@ -365,8 +389,8 @@ class DMD2Method(Method):
         return {**engine, "distilled_guidance_scale": args.dmd2_teacher_guidance_scale}
 
     def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
-        """The DMD2 debug grid of ``DEBUG_SAMPLES`` fixed eval samples (tianweiy/DMD2 issue #33: to debug a
-        collapsing run, look at exactly these): per sample ``x_i``, the student's x̂0_i, the teacher's and the
+        """The DMD2 debug grid (:mod:`miles.methods.dmd2_debug`) of fixed eval samples (tianweiy/DMD2 issue #33: to
+        debug a collapsing run, look at exactly these): per sample ``x_i``, the student's x̂0_i, the teacher's and the
         critic's x0 predictions of it re-noised, and the gradient map g (and ``g_gan`` under phase 2), decoded
         through the family's VAE where there is one. The samples' noise and stop steps are keyed by the rollout id
         ``"debug"``, so every evaluation of a run draws the same ones: one per distinct eval prompt
@@ -374,12 +398,26 @@ class DMD2Method(Method):
         records = debug_records(eval_records, args.input_key)
         return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, records, rollout_id)}
 
+    def eval_metrics(self, args: argparse.Namespace, groups: dict, rollout_id: int) -> dict[str, float]:
+        """With ``--dmd2-gan-eval-real-data``: the discriminator's prompt AUC, real-vs-fake AUC and mean logits on
+        held-out reals (:func:`miles.methods.dmd2_disc_eval.disc_quality`)."""
+        if not (gan_enabled(args) and args.dmd2_gan_eval_real_data):
+            return {}
+        from miles.methods.dmd2_disc_eval import disc_quality
+
+        return disc_quality(args, groups)
+
     def train_forward_batch(self, group_args: argparse.Namespace) -> int:
-        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair."""
+        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
+        plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
+        (``--dmd2-gan-r1-weight``)."""
         gan_critic = (
             group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
         )
-        return (3 if gan_critic else 1) * group_args.micro_batch_size
+        if not gan_critic:
+            return group_args.micro_batch_size
+        rows = 3 + (group_args.dmd2_gan_mismatch_weight > 0) + (group_args.dmd2_gan_r1_weight > 0)
+        return rows * group_args.micro_batch_size
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:

@@ -191,7 +191,7 @@ def test_a_title_row_labels_and_the_colour_legend_frame_the_same_grid(digits):
 
 
 def test_the_debug_rows_are_one_per_distinct_eval_prompt():
-    from miles.methods.dmd2 import debug_records
+    from miles.methods.dmd2_debug import debug_records
 
     # The digits eval file: each digit's prompt 10 times, sorted by digit; the first 8 records are all zeros.
     records = [{"prompt": f"a handwritten digit {d}", "label": d} for d in range(10) for _ in range(10)]
