@@ -206,7 +206,7 @@ def test_a_full_disk_reported_in_a_writers_own_words_still_says_no_space_left(tm
         partial = any(save.glob(".tmp_rollout_*"))
         return real_usage(path)._replace(free=0) if partial else real_usage(path)
 
-    def failing_save(state, checkpoint_id):
+    def failing_save(state, checkpoint_id, **_):
         # What DCP raises: every rank's error wrapped in a CheckpointException.
         Path(checkpoint_id).mkdir(parents=True)
         raise CheckpointException("save failed", {0: (RuntimeError("unexpected pos 4096 vs 8192"), None)})
