@@ -110,6 +110,12 @@ class ModelFamily(Protocol):
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
 
+    def unused_parameters(self, denoiser: nn.Module) -> list[str]:
+        """Names of the denoiser's parameters its forward never reaches (a last joint block's text-output layers
+        whose result the model drops). A trainable denoiser freezes them: they would get no gradient, so the
+        optimizer would hold no state for them and a resume could not load one. Default: none."""
+        return []
+
     def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float | None:
         """The flow shift k the family's stock pipeline samples pipeline ``path`` with, at its resolution: a static
         scheduler's ``shift``, or ``e^mu`` where the pipeline computes a dynamic shift ``mu`` from the image token

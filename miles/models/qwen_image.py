@@ -159,6 +159,13 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
         """The ``QwenImageTransformerBlock``s (diffusers' ``_no_split_modules``)."""
         return list(denoiser.transformer_blocks)
 
+    def unused_parameters(self, denoiser: nn.Module) -> list[str]:
+        """The last block's text output (``attn.to_add_out``, ``txt_mlp``): ``QwenImageTransformer2DModel`` drops
+        the text stream after its last block (SD3's last block is ``context_pre_only`` and has no such layers)."""
+        last = len(denoiser.transformer_blocks) - 1
+        prefixes = (f"transformer_blocks.{last}.attn.to_add_out.", f"transformer_blocks.{last}.txt_mlp.")
+        return [name for name, _ in denoiser.named_parameters() if name.startswith(prefixes)]
+
     def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The student's CFG as ``true_cfg_scale`` (``guidance_scale`` is the guidance-distilled input Qwen-Image
         has not), and the sample size as ``height`` / ``width``."""

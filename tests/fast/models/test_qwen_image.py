@@ -89,6 +89,18 @@ def test_the_velocity_on_padded_prompts_is_the_stock_forward_on_the_batch(pipeli
     torch.testing.assert_close(ours, unpack_latents(theirs, LATENT[2], LATENT[3]), atol=1e-6, rtol=0)
 
 
+def test_the_unused_parameters_are_exactly_those_without_a_gradient(pipeline):
+    family = get_model_family(pipeline)
+    denoiser = family.load_denoiser(pipeline).train().requires_grad_(True)
+    cond = family.encode_prompts(family.load_text_encoder(pipeline), PROMPTS)
+    latents = torch.randn(LATENT, generator=torch.Generator().manual_seed(4))
+    family.predict_velocity(denoiser, latents, torch.full((4,), 500.0), cond).square().sum().backward()
+    no_grad = [name for name, param in denoiser.named_parameters() if param.grad is None]
+    assert (
+        family.unused_parameters(denoiser) == no_grad and len(no_grad) == 6
+    )  # to_add_out, txt_mlp (2 layers): weight, bias
+
+
 def test_latents_decode_as_the_stock_pipeline_decodes_and_encode_as_its_img2img(pipeline, stock):
     from diffusers import QwenImageImg2ImgPipeline
     from diffusers.utils.torch_utils import randn_tensor
