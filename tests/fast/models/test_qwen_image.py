@@ -147,6 +147,22 @@ def test_the_flow_shift_is_the_pipelines_dynamic_shift_at_its_token_count(pipeli
     assert SCHEDULER_CONFIG["shift_terminal"] == 0.02  # the terminal stretch a static shift leaves out (docs)
 
 
+def test_unset_flow_shift_flags_take_the_familys_shift_and_say_so(pipeline):
+    from tests.support.arguments import BASE, parsed_with_defaults
+
+    argv = ["--hf-checkpoint", str(pipeline), *BASE[2:], "--rollout-batch-size", "4"]
+    shift = get_model_family(pipeline).flow_shift(pipeline)
+    args = parsed_with_defaults(argv)
+    assert args.diffusion_flow_shift == args.fsdp_flow_shift == shift
+    assert args.flow_shift_origin["--diffusion-flow-shift"].startswith(f"{shift:g}: the qwen_image family's")
+    given = parsed_with_defaults([*argv, "--diffusion-flow-shift", "4"])
+    assert given.diffusion_flow_shift == 4.0 and given.fsdp_flow_shift == shift
+    assert given.flow_shift_origin["--diffusion-flow-shift"] == "4: set on the command line"
+    # a pipeline that cannot be read here (a dry run for a cluster's paths) keeps the old default
+    elsewhere = parsed_with_defaults([*BASE, "--rollout-batch-size", "4"])
+    assert elsewhere.diffusion_flow_shift == elsewhere.fsdp_flow_shift == 3.0
+
+
 # ---- DMD2 end to end, the export sampled by the stock pipeline ----
 
 
