@@ -14,6 +14,7 @@ handed the same tensors, unpacked.
 """
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,21 @@ def train_and_resume(root: Path, inputs: dict, guidance: float) -> dict:
         "export": export,
         "save": save,
     }
+
+
+def check_phase2_records(records: list[dict]) -> None:
+    """The full run's figures: one student step and K = 2 critic steps per rollout; the student takes both the DMD
+    and the GAN gradient; the trainer's forward of the student on the engine's x_i gives the engine's x̂0_i (same
+    packing, cond and guidance input); a fresh GAN head's loss near 2·ln 2; every figure finite."""
+    actor = [r for r in records if "train/loss" in r]
+    critic = [r for r in records if "train/critic-loss" in r]
+    assert [r["rollout_id"] for r in actor] == [0, 1] and [r["rollout_id"] for r in critic] == [0, 0, 1, 1]
+    for record in actor:
+        assert record["train/dmd2_grad_abs_mean"] > 0 and record["train/dmd2_gan_grad_abs_mean"] > 0
+        assert record["train/x0_max_abs_diff"] < 1e-4
+    for record in critic:
+        assert 0.5 < record["train/critic-gan_disc_loss"] < 3.0
+    assert all(math.isfinite(value) for r in actor + critic for key, value in r.items() if key.startswith("train/"))
 
 
 def figures(records: list[dict], rollout_id: int) -> dict[str, list[float]]:
