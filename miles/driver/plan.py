@@ -90,6 +90,8 @@ def log_plan(args) -> None:
         logger.info("rollout: each of the %d actor ranks generates its own shard on its student", ranks)
     for line in groups_table(args):
         logger.info("%s", line)
+    for name, source in getattr(args, "flow_shift_origin", {}).items():
+        logger.info("flow shift: %s %s", name, source)
     logger.info("work per DP rank per rollout (DP size %d, %d pairs per rank):", ranks, rollout_pairs(args) // ranks)
     for who, phase in work_per_rank(args):
         logger.info(
