@@ -188,6 +188,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     for label, path in pipelines:
         _check_pipeline(label, path, args.diffusion_model_family)
     preflight_models.check_compatible(args, pipelines)
+    preflight_models.check_guidance(args)
     for label, path in pipelines:
         preflight_models.check_weights(label, path)
     records = _check_records(

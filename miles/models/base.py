@@ -110,6 +110,42 @@ class ModelFamily(Protocol):
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
 
+    def flow_shift(self, path: str | Path) -> float | None:
+        """The flow shift k the family's stock pipeline samples pipeline ``path`` with at its sample size: a static
+        scheduler's ``shift``, or ``e^mu`` where the pipeline computes a dynamic ``mu`` from the image token count
+        (the exponential time shift with ``mu`` is the static shift ``e^mu``, docs/families.md). The default of
+        ``--diffusion-flow-shift`` and ``--fsdp-flow-shift``. Default None: no family value (the flags keep 3.0).
+
+        Raises:
+            OSError / ValueError: when a config file the shift comes from is missing or unreadable.
+        """
+        return None
+
+    def max_guidance_scale(self, path: str | Path) -> float | None:
+        """The largest guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it) pipeline ``path`` can take;
+        1 for a checkpoint that runs no guidance (a step-distilled FLUX.2-klein). Preflight rejects a larger scale
+        with exit 2. Default None: no limit."""
+        return None
+
+    def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
+        """The scheduler config a ``--save-hf`` export writes (families with ``stock_scheduler``) so that the
+        family's stock diffusers pipeline samples the student's schedule; None where no stock config can (the
+        export then keeps its scheduler, records the schedule in ``_miles_*`` keys and warns).
+
+        Args:
+            schedule: ``{"num_steps", "shift", "step_rule", "num_train_timesteps", "timesteps"}``, the keywords of
+                :func:`miles.models.sampling_schedule.stock_scheduler_config`.
+
+        Default: that function's config, which ``StableDiffusion3Pipeline`` (it calls ``set_timesteps(S, mu=...)``)
+        samples on the student's grid.
+
+        Raises:
+            ValueError: on an unknown step rule or a grid miles' sampler rejects.
+        """
+        from miles.models.sampling_schedule import stock_scheduler_config
+
+        return stock_scheduler_config(**schedule)
+
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,
         as ``{label: value}`` (the label names the figure in preflight's error, e.g. ``"latent channels
