@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # Imported on the first look-up; each registers its families.
-BUILTIN_FAMILY_MODULES = ("miles.models.sd3", "miles.models.digits", "miles.models.flux2")
+BUILTIN_FAMILY_MODULES = ("miles.models.sd3", "miles.models.digits", "miles.models.flux2", "miles.models.wan")
 
 _FAMILIES: dict[str, type] = {}
 
