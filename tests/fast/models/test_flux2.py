@@ -168,7 +168,8 @@ def test_resume_from_the_first_commit_repeats_the_second_rollout_exactly(run):
 def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     """The export (EMA weights, a static LCM scheduler at the student's shift, ``is_distilled``) opened by
     ``Flux2KleinPipeline``: the same noise gives the same latents as miles' 2-step DMD2 sampler. The LCM re-noise
-    comes from torch's global RNG in the stock call (tests/fast/models/test_sd3_stock_export.py)."""
+    comes from torch's global RNG in the stock call (tests/fast/models/test_sd3_stock_export.py), drawn on the
+    packed tokens: the same seed in miles' latent layout would be another noise (5.5 apart)."""
     from diffusers import Flux2KleinPipeline
 
     export = run["export"]
@@ -187,7 +188,9 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     family = get_model_family(export)
     noise = torch.randn(len(PROMPTS), *LATENT, generator=torch.Generator().manual_seed(7))
     renoise = torch.Generator().manual_seed(11)
-    draws = [torch.randn(len(PROMPTS), *LATENT, generator=renoise) for _ in range(2)]
+    # the stock LCM step draws its re-noise in the token layout (B, h·w, 4·C) of the packed latents
+    tokens = [torch.randn(len(PROMPTS), 8, 16, generator=renoise) for _ in range(2)]
+    draws = [draw.permute(0, 2, 1).reshape(len(PROMPTS), *LATENT) for draw in tokens]
     cond = family.encode_prompts(family.load_text_encoder(export), PROMPTS)
     ours = denoise(
         family, family.load_denoiser(export), noise, cond, FlowNoiseSchedule(2, 3.0),
