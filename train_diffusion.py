@@ -154,7 +154,7 @@ def group_dirs(args, name: str) -> list[str]:
 def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
     """One commit: every group saves the rollout (the actor's with the data cursor), then ``<save>/latest`` moves
     to it, then old checkpoints beyond ``--save-keep-last`` go. A crash before the commit costs this rollout only."""
-    from miles.backends.fsdp_utils.checkpoint import commit, prune
+    from miles.driver.run_dir import commit, prune
     from miles.ray.errors import get_all
 
     (data_state,) = get_all([rollout_manager.state_dict.remote()], "rollout manager", "state_dict", rollout_id)
@@ -170,15 +170,10 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict) -> None:
 def train(args) -> None:
     """Place and start the rollout manager, the trainer groups (and engine replicas), resume if asked, run the
     rollouts, export the student."""
-    from miles.backends.fsdp_utils.checkpoint import (
-        read_data_state,
-        remove_checkpoints,
-        remove_uncommitted,
-        resume_rollout,
-    )
     from miles.driver.arguments import run_paths
     from miles.driver.console import log_groups_ready
     from miles.driver.export import export_schedule
+    from miles.driver.run_dir import read_data_state, remove_checkpoints, remove_uncommitted, resume_rollout
     from miles.methods import compute_trainer_configs, get_method
     from miles.ray.errors import get_all
     from miles.ray.placement_group import (
@@ -193,7 +188,7 @@ def train(args) -> None:
     start_time = time.perf_counter()
     load_rollout_id = resume_rollout(group_dirs(args, "load")) if args.load else None
     if args.save and args.overwrite_save:
-        # Preflight made sure this is not what --load resumes from; only the entries checkpoint.py writes go.
+        # Preflight made sure this is not what --load resumes from; only the entries a checkpoint writes go.
         for path in remove_checkpoints(group_dirs(args, "save")):
             logger.info("removed %s (--overwrite-save)", path)
     elif args.save:
@@ -217,7 +212,7 @@ def train(args) -> None:
     try:
         pgs = create_placement_groups(args)
         started += [("placement group", pg) for pg, _ in pgs.values()]
-        rollout_manager = create_rollout_manager(args, real_data=get_method(args).real_data(args))
+        rollout_manager = create_rollout_manager(args, get_method(args).side_inputs(args))
         started.append(("actor", rollout_manager))
         groups = create_training_models(
             args, compute_trainer_configs(args), pgs, started=started, load_rollout_id=load_rollout_id

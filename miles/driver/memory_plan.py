@@ -292,10 +292,10 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
         FileNotFoundError, ValueError: for a pipeline without a readable transformer config, or one the planner
             cannot lay out.
     """
-    from miles.backends.fsdp_utils.actor import TRANSFORMER
     from miles.backends.fsdp_utils.model import resolve_dtype
     from miles.methods import compute_trainer_configs, get_method
     from miles.models import get_model_family
+    from miles.models.base import DENOISER
     from miles.models.memory import transformer_config
     from miles.utils.misc import load_function
     from miles.utils.trainer_config import compute_trainer_args
@@ -305,7 +305,8 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
     method = get_method(args)
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     student = transformer_config(args.hf_checkpoint)
-    _, height, width = family.latent_shape(args.hf_checkpoint)
+    # Only the last two axes are spatial; a video family's latents carry frames before them.
+    height, width = family.latent_shape(args.hf_checkpoint)[-2:]
     patch = int(student.get("patch_size", 1))
     setting = PlanSetting(
         dp_size=dp_size(args),
@@ -323,7 +324,7 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
             builder = load_function(group_args.custom_build_modules_path)
 
             def build_extra(model, builder=builder, group_args=group_args):
-                return builder(group_args, {TRANSFORMER: model})
+                return builder(group_args, {DENOISER: model})
 
         spec = GroupSpec(
             role=trainer.role,

@@ -55,7 +55,7 @@ def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
 def log_plan(args) -> None:
     """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
     starting Ray."""
-    from miles.backends.fsdp_utils.checkpoint import read_latest
+    from miles.driver.run_dir import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
     configs = compute_trainer_configs(args)
@@ -70,7 +70,10 @@ def log_plan(args) -> None:
         len(configs),
     )
     if args.train_only:
-        logger.info("rollout: none (--train-only): each actor rank reads its share of the data")
+        readers = (
+            f"each of the {args.rollout_num_gpus} engine replicas" if args.rollout_num_gpus else "each actor rank"
+        )
+        logger.info("rollout: none (--train-only): %s reads its share of the data", readers)
     elif args.rollout_num_gpus:
         logger.info(
             "rollout: %d dedicated engine replicas, each generating %d DP shards",

@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from miles.utils.validation import flag, reject
+from miles.utils.validation import reject
 
 __all__ = ["HOOK_FLAGS", "validate_inputs"]
 
@@ -22,6 +22,7 @@ HOOK_FLAGS = (
     "custom_loss_function_path",
     "custom_train_output_function_path",
     "custom_build_modules_path",
+    "custom_trainer_path",
     "diffusion_step_strategy_path",
     "eval_function_path",
 )
@@ -167,7 +168,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
                 except ValueError as exc:
                     reject(f"--{name.replace('_', '-')}: {exc}")
     if args.load:
-        from miles.backends.fsdp_utils.checkpoint import resume_rollout
+        from miles.driver.run_dir import resume_rollout
 
         load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
         try:
@@ -198,11 +199,8 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
         _check_inline_images(args, records)
     if args.eval_interval and args.eval_prompt_data:
         _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
-    real_data = get_method(args).real_data(args)
-    if real_data:
-        # Named by the method's flag that holds it (--dmd2-gan-real-data).
-        name = next((dest for dest, value in sorted(vars(args).items()) if value == real_data), "real_data")
-        _check_real_data(args, flag(name), real_data)
+    for side in get_method(args).side_inputs(args):
+        _check_real_data(args, side.flag, side.path)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     preflight_outputs.check_writable(args)

@@ -65,7 +65,8 @@ def check_save_dirs(args: argparse.Namespace) -> None:
     Raises:
         ArgumentValidationError: naming the directory and its entries.
     """
-    from miles.backends.fsdp_utils.checkpoint import LATEST_FILE, checkpoint_entries
+    from miles.backends.fsdp_utils.checkpoint import LATEST_FILE
+    from miles.driver.run_dir import checkpoint_entries
 
     if not args.save or args.overwrite_save:
         return
@@ -110,7 +111,7 @@ def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
     if args.save:
         start = 0
         if args.load:
-            from miles.backends.fsdp_utils.checkpoint import read_latest
+            from miles.driver.run_dir import read_latest
 
             start = read_latest(args.load) + 1
         saves = sum(1 for rollout in range(start, args.num_rollout) if should_save(args, rollout))

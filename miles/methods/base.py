@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.utils.trainer_config import TrainerConfig
+from miles.utils.types import SideInput
 from miles.utils.validation import reject
 
 __all__ = ["Method", "PhaseWork", "fill_defaults", "hook_path", "require_teacher_consumer"]
@@ -89,9 +90,15 @@ class Method:
         """The run's trainer groups in training order; the actor (student) is always one of them."""
         return [TrainerConfig("actor")]
 
-    def real_data(self, args: argparse.Namespace) -> str | None:
-        """A JSONL of real samples the RolloutManager deals beside the prompts (one per sample), or None."""
+    def settings(self, args: argparse.Namespace) -> Any:
+        """This method's flags as one typed, frozen object, built once from the parsed args and carried as
+        ``args.method_settings`` to every group (its hooks read it there); None for a method without flags."""
         return None
+
+    def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
+        """The JSONL files the RolloutManager deals beside the prompts, one record per sample, each reaching the
+        sample's train pair as a data sample (``pair.extras[name]``): the DMD2 GAN's real data; ``[]`` for none."""
+        return []
 
     def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
         """Extra images this method draws at each evaluation, ``{wandb key: PNG path}`` (DMD2: its debug grid)."""

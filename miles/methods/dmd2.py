@@ -30,10 +30,12 @@ import torch
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
 from miles.backends.fsdp_utils.loss_hub import gan
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
+from miles.utils.types import SideInput
 from miles.utils.validation import check_number, dp_size, reject, rollout_pairs
 
 __all__ = [
@@ -199,6 +201,7 @@ class DMD2Method(Method):
     description = "distribution matching distillation: critic (fake score) group, then the student"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        # One add_argument call per flag, shaped like the generic ones (miles/driver/arguments.py).
         group = parser.add_argument_group(
             "DMD2",
             "Distribution matching distillation (Yin et al. 2024). LoRA, teacher adapters and a reference model are "
@@ -303,8 +306,14 @@ class DMD2Method(Method):
             critic.update(DMD2_GAN_CRITIC_HOOKS)
         return [TrainerConfig("critic", critic), TrainerConfig("actor", {"teacher_load": None})]
 
-    def real_data(self, args: argparse.Namespace) -> str | None:
-        return args.dmd2_gan_real_data if gan_enabled(args) else None
+    def settings(self, args: argparse.Namespace) -> DMD2Settings:
+        return DMD2Settings.from_args(args)
+
+    def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
+        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``)."""
+        if not gan_enabled(args):
+            return []
+        return [SideInput(REAL_DATA, args.dmd2_gan_real_data, "--dmd2-gan-real-data")]
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """The student's few-step schedule and the teacher's CFG scale it was distilled from."""

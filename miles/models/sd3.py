@@ -171,6 +171,7 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def text_tokens(self, path: str | Path) -> int:
         """Text tokens per prompt the denoiser attends to: 77 CLIP + 256 T5 (T5 padded to its length)."""
         return CLIP_TOKENS + T5_TOKENS
+
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The transformer config keys of :data:`COMPATIBLE_KEYS`, labelled ``"latent channels (in_channels)"``."""
         config = read_json(Path(path) / DENOISER / "config.json", "transformer config")

@@ -32,6 +32,7 @@ class EngineGroup:
         num_threads: torch CPU threads per replica.
     """
 
+    # Placed like RayTrainGroup's ranks (a placement group's bundles, a share of each), hence the same arguments.
     def __init__(
         self,
         args: Any,

@@ -45,7 +45,7 @@ def bundle_cpus(args) -> int:
     """CPUs per bundle: ``--num-cpus-per-rank``, or the smallest node's CPUs divided among the processes that hold a
     bundle on it (``--actor-num-gpus-per-node`` trainer ranks, plus the engine replicas), at least 1. Needs
     ``ray.init`` first."""
-    if getattr(args, "num_cpus_per_rank", None):
+    if args.num_cpus_per_rank:
         return int(args.num_cpus_per_rank)
     node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
     node_cpus = [cpus for cpus in node_cpus if cpus > 0] or [1]
@@ -166,10 +166,10 @@ def create_engine_group(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) 
     )
 
 
-def create_rollout_manager(args, real_data: str | None = None) -> Any:
-    """Start the ``RolloutManager`` actor (prompt source, real data when asked for, DP split; it reserves no CPU of
+def create_rollout_manager(args, side_inputs: list = ()) -> Any:
+    """Start the ``RolloutManager`` actor (prompt source, the method's side inputs, DP split; it reserves no CPU of
     the bundles)."""
     from miles.ray.rollout import RayRolloutManager
 
     dp = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return RayRolloutManager.options(num_cpus=0).remote(args, dp, real_data)
+    return RayRolloutManager.options(num_cpus=0).remote(args, dp, list(side_inputs))

@@ -7,7 +7,8 @@ prompt's ``--n-samples-per-prompt`` samples kept together). Rank i of the actor 
 generates shard i, so N ranks generate N× the samples in the time one takes::
 
     records = data source.next_batch(--rollout-batch-size)         # seeded, per-epoch shuffle, checkpointed cursor
-    return [Box(ray.put(PromptShard of ranks r's prompts)) for r in range(DP size)]
+    side    = each side input's source.next_batch(one per sample)  # the method's (DMD2 GAN: real data)
+    return [Box(ray.put(PromptShard of ranks r's prompts and side records)) for r in range(DP size)]
 """
 
 import logging
@@ -17,7 +18,7 @@ import ray
 
 from miles.rollout.data_source import JsonlPromptSource, make_prompt_shard, split_prompts
 from miles.rollout.engine import data_base_dir
-from miles.utils.types import Box, PromptShard
+from miles.utils.types import Box, PromptShard, SideInput, SideRecords
 
 __all__ = ["RolloutManager", "RayRolloutManager"]
 
@@ -25,39 +26,40 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    """Owns the prompt source and its cursor.
+    """Owns the prompt source and its cursor, and the sources of the method's side inputs.
 
     Args:
         args: run args (``miles.driver.arguments.parse_args``); reads ``prompt_data``, ``input_key``,
             ``rollout_seed``, ``rollout_shuffle``, ``rollout_batch_size``, ``n_samples_per_prompt``.
         dp_size: data-parallel size of the trainer groups; every rollout is split into this many shards.
-        real_data: a JSONL of real samples (an image or latent and a prompt per record) to deal one per generated
-            sample beside the prompts, from its own seeded, checkpointed cursor (the method asks for it: the DMD2
-            GAN's ``--dmd2-gan-real-data``); None for none.
+        side_inputs: the JSONL files the method needs beside the prompts (``Method.side_inputs``: the DMD2 GAN's
+            real data), each dealt one record per generated sample from its own seeded, checkpointed cursor.
 
     Raises:
-        FileNotFoundError / ValueError: as ``JsonlPromptSource`` for a bad ``--prompt-data``.
+        FileNotFoundError / ValueError: as ``JsonlPromptSource`` for a bad ``--prompt-data`` or side input.
     """
 
-    def __init__(self, args: Any, dp_size: int, real_data: str | None = None) -> None:
+    def __init__(self, args: Any, dp_size: int, side_inputs: list[SideInput] = ()) -> None:
         self.args = args
         self.dp_size = dp_size
         self.data_source = JsonlPromptSource(
-            args.prompt_data,
-            input_key=args.input_key,
-            seed=args.rollout_seed,
-            shuffle=getattr(args, "rollout_shuffle", True),
+            args.prompt_data, input_key=args.input_key, seed=args.rollout_seed, shuffle=args.rollout_shuffle
         )
         self.base_dir = data_base_dir(args.prompt_data)
-        self.real_source = None
-        if real_data:
-            self.real_source = JsonlPromptSource(
-                real_data, input_key=args.input_key, seed=args.rollout_seed, purpose="real_shuffle", flag="real data"
+        self.side_sources = {
+            side.name: JsonlPromptSource(
+                side.path,
+                input_key=args.input_key,
+                seed=args.rollout_seed,
+                purpose=f"{side.name}_shuffle",
+                flag=side.flag,
             )
-            self.real_base_dir = data_base_dir(real_data)
+            for side in side_inputs
+        }
+        self.side_base_dirs = {side.name: data_base_dir(side.path) for side in side_inputs}
 
     def shards(self, rollout_id: int) -> list[PromptShard]:
-        """The next rollout's prompts, one ``PromptShard`` per DP rank (advances the cursor).
+        """The next rollout's prompts, one ``PromptShard`` per DP rank (advances the cursors).
 
         Raises:
             ValueError: if ``--rollout-batch-size`` does not split evenly over the DP size.
@@ -65,7 +67,7 @@ class RolloutManager:
         args = self.args
         n = args.n_samples_per_prompt
         records = self.data_source.next_batch(args.rollout_batch_size)
-        real = self.real_source.next_batch(len(records) * n) if self.real_source is not None else None
+        side = {name: source.next_batch(len(records) * n) for name, source in self.side_sources.items()}
         return [
             make_prompt_shard(
                 rollout_id,
@@ -74,8 +76,10 @@ class RolloutManager:
                 n_samples_per_prompt=n,
                 first_prompt_index=part.start,
                 base_dir=self.base_dir,
-                real_records=None if real is None else real[part.start * n : part.stop * n],
-                real_base_dir=getattr(self, "real_base_dir", "."),
+                side_data={
+                    name: SideRecords(dealt[part.start * n : part.stop * n], self.side_base_dirs[name])
+                    for name, dealt in side.items()
+                },
             )
             for part in split_prompts(len(records), self.dp_size)
         ]
@@ -86,23 +90,24 @@ class RolloutManager:
 
     # -- checkpointing -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The data cursors (prompts, and real data when dealt), saved with checkpoints."""
+        """The data cursors (prompts, and each side input's), saved with checkpoints."""
         state = {"data_source": self.data_source.state_dict()}
-        if self.real_source is not None:
-            state["real_source"] = self.real_source.state_dict()
+        if self.side_sources:
+            state["side_sources"] = {name: source.state_dict() for name, source in self.side_sources.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the data cursors.
 
         Raises:
-            ValueError: if the checkpoint has no real-data cursor but this run deals real data.
+            ValueError: if the checkpoint has no cursor of a side input this run deals.
         """
         self.data_source.load_state_dict(state["data_source"])
-        if self.real_source is not None:
-            if "real_source" not in state:
-                raise ValueError("the checkpoint was saved without real data; resume with the same flags")
-            self.real_source.load_state_dict(state["real_source"])
+        saved = state.get("side_sources", {})
+        for name, source in self.side_sources.items():
+            if name not in saved:
+                raise ValueError(f"the checkpoint was saved without side input {name!r}; resume with the same flags")
+            source.load_state_dict(saved[name])
 
 
 RayRolloutManager = ray.remote(RolloutManager)

@@ -66,7 +66,7 @@ class PromptConditioner:
         self.family = family
         self.pipeline_path = pipeline_path
         self.device = device
-        self.cond_key = getattr(args, "cond_key", "cond")
+        self.cond_key = args.cond_key
         self._encoder = None
         self._negative: dict[str, torch.Tensor] | None = None
 
@@ -106,13 +106,11 @@ class PromptConditioner:
         """The negative prompt's cond kwargs, one row without a batch dim: from ``--negative-cond`` when given,
         else ``--negative-prompt`` encoded by the text encoder. Computed once per process."""
         if self._negative is None:
-            path = getattr(self.args, "negative_cond", None)
+            path = self.args.negative_cond
             if path:
                 self._negative = load_cond_file(path, where="--negative-cond")
             else:
-                self._negative = encode_one_prompt(
-                    self.family, self.encoder, getattr(self.args, "negative_prompt", "")
-                )
+                self._negative = encode_one_prompt(self.family, self.encoder, self.args.negative_prompt)
         return self._negative
 
 

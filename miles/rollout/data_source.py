@@ -10,6 +10,7 @@ Records may instead name a latent file under ``--latent-key`` (any family; image
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,11 @@ import torch
 
 from miles.models.capabilities import PixelCodec, require
 from miles.utils.misc import make_generator
-from miles.utils.types import PromptShard
+from miles.utils.types import PromptShard, SideRecords
 
 __all__ = [
     "JsonlPromptSource",
+    "jsonl_values",
     "load_image",
     "load_image_latent",
     "load_latent_file",
@@ -31,6 +33,25 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def jsonl_values(path: str | Path, where: str = "", error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of a JSONL file, in order (the prompt source, the prompt
+    cache and the image encoder read their files through it).
+
+    Raises:
+        error: ``"<where> <path>:<line> is not valid JSON (...)"``, for a line that does not parse.
+    """
+    prefix = f"{where} " if where else ""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{prefix}{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+            yield line_no, value
 
 
 class JsonlPromptSource:
@@ -71,20 +92,12 @@ class JsonlPromptSource:
         if not self.path.is_file():
             raise FileNotFoundError(f"{flag} {self.path} does not exist")
         self.records: list[dict[str, Any]] = []
-        with open(self.path) as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{flag} {self.path}:{line_no} is not valid JSON ({exc})") from exc
-                if not isinstance(record, dict) or input_key not in record:
-                    raise ValueError(
-                        f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the "
-                        "prompt's field"
-                    )
-                self.records.append(record)
+        for line_no, record in jsonl_values(self.path, flag):
+            if not isinstance(record, dict) or input_key not in record:
+                raise ValueError(
+                    f"{flag} {self.path}:{line_no} has no field {input_key!r}; set --input-key to the prompt's field"
+                )
+            self.records.append(record)
         if not self.records:
             raise ValueError(f"{flag} {self.path} holds no records")
         self.epoch = 0
@@ -266,8 +279,7 @@ def load_record_latent(
         ValueError / FileNotFoundError: naming ``where``, for a record with neither field, a bad file or a latent
             of another shape than ``expected_shape``.
     """
-    latent_key = getattr(args, "latent_key", "latent")
-    image_key = getattr(args, "image_key", "image")
+    latent_key, image_key = args.latent_key, args.image_key
     prefix = f"{where}: " if where else ""
     if isinstance(record.get(latent_key), str):
         latent = load_latent_file(Path(base_dir) / record[latent_key], where=where or "")
@@ -293,12 +305,11 @@ def make_prompt_shard(
     n_samples_per_prompt: int = 1,
     first_prompt_index: int = 0,
     base_dir: str | Path = ".",
-    real_records: list[dict[str, Any]] | None = None,
-    real_base_dir: str | Path = ".",
+    side_data: dict[str, SideRecords] | None = None,
 ) -> PromptShard:
     """The ``PromptShard`` of ``records`` (one per prompt), each repeated for its ``n_samples_per_prompt`` samples;
-    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``. ``real_records``
-    (one per sample, or None) are real data samples dealt beside them."""
+    prompt ``first_prompt_index + p``'s j-th sample has index ``(first_prompt_index + p)·n + j``. ``side_data`` (one
+    record per sample, by side-input name) are a method's side inputs dealt beside them."""
     n = n_samples_per_prompt
     return PromptShard(
         rollout_id=rollout_id,
@@ -306,8 +317,7 @@ def make_prompt_shard(
         prompts=[str(record[input_key]) for record in records for _ in range(n)],
         records=[record for record in records for _ in range(n)],
         base_dir=str(base_dir),
-        real_records=real_records,
-        real_base_dir=str(real_base_dir),
+        side_data=dict(side_data or {}),
     )
 
 

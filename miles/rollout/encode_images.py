@@ -23,7 +23,6 @@ factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smalle
 than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
 """
 
-import argparse
 import json
 import logging
 import sys
@@ -33,7 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+from miles.rollout.data_source import jsonl_values
+from miles.rollout.offline_files import (
+    OfflineDataError,
+    command_parser,
+    ensure_writable_dir,
+    replace_text,
+    run_command,
+    save_tensors,
+)
 
 __all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
 
@@ -76,23 +83,16 @@ def read_captions(path: str | Path) -> dict[str, str]:
     if not path.is_file():
         raise OfflineDataError(f"captions file {path} does not exist")
     captions: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
-            if not (
-                isinstance(record, dict)
-                and isinstance(record.get("file_name"), str)
-                and isinstance(record.get("prompt"), str)
-            ):
-                raise OfflineDataError(f'{path}:{line_no} must be {{"file_name": "<image file>", "prompt": "<text>"}}')
-            if record["file_name"] in captions:
-                raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
-            captions[record["file_name"]] = record["prompt"]
+    for line_no, record in jsonl_values(path, error=OfflineDataError):
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("file_name"), str)
+            and isinstance(record.get("prompt"), str)
+        ):
+            raise OfflineDataError(f'{path}:{line_no} must be {{"file_name": "<image file>", "prompt": "<text>"}}')
+        if record["file_name"] in captions:
+            raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
+        captions[record["file_name"]] = record["prompt"]
     return captions
 
 
@@ -261,13 +261,13 @@ def encode_image_folder(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m miles.rollout.encode_images",
-        description="Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+    # The offline commands share their parser's positionals and error path (offline_files); this is its own part.
+    parser = command_parser(
+        "python -m miles.rollout.encode_images",
+        "Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+        [("image_dir", "folder of .png / .jpg / .webp images")],
+        "output directory",
     )
-    parser.add_argument("pipeline", help="pipeline directory (any model family)")
-    parser.add_argument("image_dir", help="folder of .png / .jpg / .webp images")
-    parser.add_argument("out_dir", help="output directory")
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call (default: 8)")
@@ -275,11 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
     )
     ns = parser.parse_args(argv)
-    from miles.utils.log import setup_logging
-
-    setup_logging("INFO")
-    try:
-        manifest = encode_image_folder(
+    manifest = run_command(
+        parser,
+        lambda: encode_image_folder(
             ns.pipeline,
             ns.image_dir,
             ns.out_dir,
@@ -287,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             prompt=ns.prompt,
             batch_size=ns.batch_size,
             family_name=ns.diffusion_model_family,
-        )
-    except OfflineDataError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        ),
+    )
+    if manifest is None:
         return 2
     data = Path(ns.out_dir) / "data.jsonl"
     print(

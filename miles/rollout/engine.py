@@ -48,16 +48,10 @@ __all__ = [
     "convert_samples",
     "data_base_dir",
     "data_samples",
-    "default_device",
     "record_metadata",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def default_device() -> torch.device:
-    """CUDA when this process sees a GPU, else CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def record_metadata(args: Any, record: dict) -> dict:

@@ -24,7 +24,6 @@ last bits between batch compositions, so a run without the cache reproduces a ca
 micro-batches hold the same prompts (``--batch-size 1`` makes every cond independent of its batch).
 """
 
-import argparse
 import hashlib
 import json
 import logging
@@ -34,7 +33,15 @@ from typing import Any
 
 import torch
 
-from miles.rollout.offline_files import OfflineDataError, ensure_writable_dir, replace_text, save_tensors
+from miles.rollout.data_source import jsonl_values
+from miles.rollout.offline_files import (
+    OfflineDataError,
+    command_parser,
+    ensure_writable_dir,
+    replace_text,
+    run_command,
+    save_tensors,
+)
 
 __all__ = ["main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
 
@@ -60,21 +67,14 @@ def read_prompt_records(path: str | Path, input_key: str = "prompt") -> list[dic
     if not path.is_file():
         raise OfflineDataError(f"prompt file {path} does not exist")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OfflineDataError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise OfflineDataError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
-            if not isinstance(record.get(input_key), str):
-                raise OfflineDataError(
-                    f"{path}:{line_no} has no string field {input_key!r}; set --input-key to the prompt's field"
-                )
-            records.append(record)
+    for line_no, record in jsonl_values(path, error=OfflineDataError):
+        if not isinstance(record, dict):
+            raise OfflineDataError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
+        if not isinstance(record.get(input_key), str):
+            raise OfflineDataError(
+                f"{path}:{line_no} has no string field {input_key!r}; set --input-key to the prompt's field"
+            )
+        records.append(record)
     if not records:
         raise OfflineDataError(f"prompt file {path} holds no records")
     return records
@@ -183,13 +183,13 @@ def write_prompt_cache(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m miles.rollout.prompt_cache",
-        description="Encode every distinct prompt of a JSONL file once with the pipeline's text encoder.",
+    # The offline commands share their parser's positionals and error path (offline_files); this is its own part.
+    parser = command_parser(
+        "python -m miles.rollout.prompt_cache",
+        "Encode every distinct prompt of a JSONL file once with the pipeline's text encoder.",
+        [("prompts", "JSONL prompt file")],
+        "cache directory to write",
     )
-    parser.add_argument("pipeline", help="pipeline directory (any model family)")
-    parser.add_argument("prompts", help="JSONL prompt file")
-    parser.add_argument("out_dir", help="cache directory to write")
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--cond-key", default="cond", help="key naming each record's cond file (default: cond)")
     parser.add_argument("--negative-prompt", default="", help='negative prompt to cache (default: "")')
@@ -200,11 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
     )
     ns = parser.parse_args(argv)
-    from miles.utils.log import setup_logging
-
-    setup_logging("INFO")
-    try:
-        manifest = write_prompt_cache(
+    manifest = run_command(
+        parser,
+        lambda: write_prompt_cache(
             ns.pipeline,
             ns.prompts,
             ns.out_dir,
@@ -215,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=ns.dtype,
             batch_size=ns.batch_size,
             family_name=ns.diffusion_model_family,
-        )
-    except OfflineDataError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        ),
+    )
+    if manifest is None:
         return 2
     out = Path(ns.out_dir)
     print(

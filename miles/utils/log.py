@@ -5,7 +5,7 @@ import logging
 __all__ = ["QUIET_LOGGERS", "setup_logging"]
 
 # Third-party loggers that narrate model loading; quiet unless --log-level DEBUG.
-QUIET_LOGGERS = ("diffusers", "transformers", "sentence_transformers", "urllib3", "filelock", "httpx")
+QUIET_LOGGERS = ("diffusers", "transformers", "urllib3", "filelock", "httpx")
 
 
 def setup_logging(level: str, *, worker: bool = False) -> None:

@@ -7,11 +7,12 @@ it is one the export writes again; it never sits in, over or under a directory t
 """
 
 import os
+import shutil
 from pathlib import Path
 
 from miles.utils.validation import reject
 
-__all__ = ["check_export_target", "nearest_existing", "path_relation", "probe_writable"]
+__all__ = ["check_export_target", "nearest_existing", "path_relation", "probe_writable", "replace_dir"]
 
 # What marks a diffusers pipeline directory.
 MODEL_INDEX = "model_index.json"
@@ -36,6 +37,19 @@ def nearest_existing(path: str | os.PathLike) -> Path:
     while not current.exists() and current != current.parent:
         current = current.parent
     return current
+
+
+def replace_dir(tmp: Path, final: Path, stale: Path) -> None:
+    """Move the complete directory ``tmp`` to ``final`` in renames only: an existing ``final`` is renamed to ``stale``
+    first and removed after, so a crash at any point leaves a complete directory at ``final`` or at ``stale`` (the
+    writers' names for both are their own, so a later run knows them as leftovers)."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    shutil.rmtree(stale, ignore_errors=True)
+    os.rename(final, stale)
+    os.rename(tmp, final)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def probe_writable(path: str | os.PathLike) -> str | None:

@@ -25,7 +25,7 @@ not depend on the device, and per sample so that it does not depend on the batch
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -36,8 +36,11 @@ __all__ = [
     "STEP_RULES",
     "FlowNoiseSchedule",
     "DenoiseResult",
+    "NoiseDraw",
     "apply_cfg",
     "denoise",
+    "draw_noise_levels",
+    "forward_process",
     "guided_velocity",
     "initial_noise",
     "renoise_noise",
@@ -117,6 +120,64 @@ class FlowNoiseSchedule:
         shown = ", ".join(f"{s:.4g}" for s in self.sigmas[:8].tolist())
         more = ", ..." if len(self.sigmas) > 8 else ""
         return f"FlowNoiseSchedule(num_steps={self.num_steps}, sigmas=[{shown}{more}])"
+
+
+def forward_process(x0: torch.Tensor, sigma: torch.Tensor | float, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching forward process ``x_σ = (1 − σ)·x0 + σ·ε`` (diffusers ``FlowMatchEulerDiscreteScheduler.
+    scale_noise``; torchtitan's Flux trainer).
+
+    Args:
+        x0: clean latents ``(B, ...)`` of any rank, float32.
+        sigma: one σ per row, a float tensor ``(B,)`` (any float dtype; applied in float32 on ``x0``'s device), or
+            one Python float for the whole batch (the sampler's re-noise).
+        noise: ``ε`` of ``x0``'s shape; moved to its device and dtype.
+
+    Returns:
+        ``x_σ`` of ``x0``'s shape and dtype.
+    """
+    if isinstance(sigma, torch.Tensor):
+        sigma = sigma.to(device=x0.device, dtype=torch.float32).view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - sigma) * x0 + sigma * noise.to(device=x0.device, dtype=x0.dtype)
+
+
+class NoiseDraw(NamedTuple):
+    """One batch's noise levels on a σ grid and its noise (:func:`draw_noise_levels`).
+
+    Attributes:
+        grid_index: int64 ``(B,)``, positions on the grid.
+        sigma: float64 ``(B,)`` in [0, 1]; timestep: float32 ``(B,)``, ``σ · num_train_timesteps``.
+        noise: float32 ``ε`` of the requested shape.
+    """
+
+    grid_index: torch.Tensor
+    sigma: torch.Tensor
+    timestep: torch.Tensor
+    noise: torch.Tensor
+
+
+def draw_noise_levels(
+    generator: torch.Generator,
+    grid: FlowNoiseSchedule,
+    shape: tuple[int, ...],
+    allowed: torch.Tensor | None = None,
+) -> NoiseDraw:
+    """Draw ``shape[0]`` grid positions (uniform over the grid, or over ``allowed``'s positions), then the noise of
+    ``shape``, in that order and on the CPU, from ``generator``: the SFT noise, the DMD2 scoring σ and the
+    diffusion-GAN noise all draw this way, so a seed gives the same σ and ε wherever it is used.
+
+    Args:
+        generator: a CPU generator (``make_generator(purpose, seed, rollout, micro-batch, DP rank)``).
+        grid: the trainer's σ grid.
+        shape: ``(B, ...)``, the noise's shape.
+        allowed: int64 grid positions to draw from, or None for the whole grid.
+    """
+    count = shape[0]
+    if allowed is None:
+        grid_index = torch.randint(0, grid.num_steps, (count,), generator=generator)
+    else:
+        grid_index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return NoiseDraw(grid_index, grid.sigmas[grid_index], grid.timesteps[grid_index].float(), noise)
 
 
 def apply_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
@@ -286,7 +347,7 @@ def denoise(
                 result.final = (x0 if step_rule == "dmd2" else x + (sigma_next - sigma) * v).cpu()
             break
         if step_rule == "dmd2":
-            x = (1.0 - sigma_next) * x0 + sigma_next * fresh_noise(k).to(device, torch.float32)
+            x = forward_process(x0, sigma_next, fresh_noise(k))
         else:
             x = x + (sigma_next - sigma) * v
     return result

@@ -19,6 +19,8 @@ __all__ = [
     "PromptShard",
     "RolloutResult",
     "Sample",
+    "SideInput",
+    "SideRecords",
     "TrainPair",
     "TrainResult",
     "collate_cond",
@@ -36,6 +38,38 @@ class Box:
     inner: Any
 
 
+@dataclass(frozen=True)
+class SideInput:
+    """A JSONL of records a method needs beside the prompts, one record per generated sample, from its own seeded,
+    checkpointed cursor (the DMD2 GAN's real data). A method declares them (``Method.side_inputs``); the
+    RolloutManager deals them into each ``PromptShard``; the rollout generator turns each record into a data
+    ``Sample`` (its clean latent and prompt cond) and hands it to the sample's pair as ``pair.extras[name]``.
+
+    Attributes:
+        name: the key in ``PromptShard.side_data`` and ``TrainPair.extras`` (its cursor shuffles by
+            ``"<name>_shuffle"``).
+        path: the JSONL file (an image or latent and a prompt per record).
+        flag: the flag that names the file, for error messages (``--dmd2-gan-real-data``).
+    """
+
+    name: str
+    path: str
+    flag: str
+
+
+@dataclass
+class SideRecords:
+    """A shard's records of one side input: one per sample, in the shard's order.
+
+    Attributes:
+        records: the JSONL objects.
+        base_dir: the directory their relative paths (images, latents, cached cond) resolve against.
+    """
+
+    records: list[dict[str, Any]]
+    base_dir: str = "."
+
+
 @dataclass
 class PromptShard:
     """One DP rank's share of a rollout, as the RolloutManager hands it out: what to generate, not the samples.
@@ -49,8 +83,7 @@ class PromptShard:
         prompts: the prompt text of each sample.
         records: each sample's data-source record (the JSONL object: prompt, label, image or latent, cached cond).
         base_dir: the directory that relative paths in the records (images, latents, cached cond) resolve against.
-        real_records: real data records dealt to this shard, one per sample, or None (the DMD2 GAN's
-            ``--dmd2-gan-real-data``); their relative paths resolve against ``real_base_dir``.
+        side_data: the method's side inputs dealt to this shard, by name (:class:`SideInput`), ``{}`` for none.
     """
 
     rollout_id: int | str
@@ -58,8 +91,7 @@ class PromptShard:
     prompts: list[str]
     records: list[dict[str, Any]]
     base_dir: str = "."
-    real_records: list[dict[str, Any]] | None = None
-    real_base_dir: str = "."
+    side_data: dict[str, SideRecords] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.sample_indices)
@@ -166,7 +198,8 @@ class Sample:
 
 @dataclass
 class TrainPair:
-    """One training example as the trainers' hooks see it.
+    """One training example as the trainers' hooks see it. A method whose pairs carry more subclasses it (the DMD2
+    converter's ``DMD2Pair`` adds the rollout's stopped step).
 
     Attributes:
         sample_index: the source sample's index within the rollout; keys the critic's scores for the actor.
@@ -174,13 +207,8 @@ class TrainPair:
         x0: float32 ``(C, H, W)``, the clean target: a data latent (SFT) or the rollout's ``x̂0_i`` (DMD2).
         pos_cond: the prompt's cond kwargs.
         neg_cond: the negative prompt's cond kwargs, ``{}`` if the rollout did not encode it.
-        latent: DMD2 only: ``x_i``, float32 ``(C, H, W)``, the student's input at the stopped step.
-        sigma: DMD2 only: ``σ_i`` in [0, 1].
-        timestep: DMD2 only: ``t_i = σ_i · 1000``.
-        step_index: DMD2 only: the stopped step ``i``.
-        real_x0: DMD2 GAN only: float32 ``(C, H, W)``, the clean latent of a real sample paired with this one
-            (``--dmd2-gan-real-data``); the critic's discriminator sees it beside ``x0``.
-        real_cond: DMD2 GAN only: that real sample's prompt cond.
+        extras: the method's side inputs for this pair by name, each a data ``Sample`` (``x0`` and ``env.pos_cond``
+            of its record; the DMD2 GAN's ``"real"``), ``{}`` for none (:class:`SideInput`).
     """
 
     sample_index: int
@@ -188,12 +216,7 @@ class TrainPair:
     pos_cond: dict[str, torch.Tensor]
     neg_cond: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt: str = ""
-    latent: torch.Tensor | None = None
-    sigma: float | None = None
-    timestep: float | None = None
-    step_index: int | None = None
-    real_x0: torch.Tensor | None = None
-    real_cond: dict[str, torch.Tensor] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def collate_cond(conds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

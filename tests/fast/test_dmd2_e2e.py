@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.checkpoint import complete_rollouts, read_latest
+from miles.driver.run_dir import complete_rollouts, read_latest
 from miles.models.digits_pipeline import read_sampling_schedule
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main

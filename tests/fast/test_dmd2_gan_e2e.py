@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.checkpoint import read_latest
+from miles.driver.run_dir import read_latest
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
 from tests.support.memory import assert_plan_agrees
@@ -86,7 +86,7 @@ def test_the_head_and_the_ema_are_checkpointed_and_the_export_differs_from_the_l
     critic_keys = FileSystemReader(str(save.parent / "ckpt_critic" / "rollout_2" / "dcp")).read_metadata()
     assert any(key.startswith("train.model.disc_head.") for key in critic_keys.state_dict_metadata)
     actor_keys = FileSystemReader(str(save / "rollout_2" / "dcp")).read_metadata()
-    assert any(key.startswith("train.ema.shadow.") for key in actor_keys.state_dict_metadata)
+    assert any(key.startswith("ema.shadow.") for key in actor_keys.state_dict_metadata)
     assert not any("disc_head" in key for key in actor_keys.state_dict_metadata)  # the actor never holds the critic
     from diffusers import SD3Transformer2DModel
 
@@ -107,3 +107,14 @@ def test_resume_from_a_mid_run_commit_repeats_the_figures_exactly(run):
         full = [r[key] for r in _train_records(run["records"], key) if r["rollout_id"] == 2]
         again = [r[key] for r in _train_records(resumed, key) if r["rollout_id"] == 2]
         assert full and again == full, key
+
+
+def test_phase_two_on_an_engine_replica_repeats_the_figures(run):
+    """``--rollout-num-gpus 1``: a replica generates both DP shards and hands each pair its real sample, so the
+    critic's GAN steps run (they once failed at the first one) and every figure equals the actor-generated run's."""
+    out = run["root"] / "replica"
+    run_main(_argv(run["root"], out, "--rollout-num-gpus", "1"))
+    records = read_metrics(out)
+    for key in ["train/loss", "train/critic-loss", *GAN_ACTOR, *GAN_CRITIC]:
+        expected = [r[key] for r in _train_records(run["records"], key)]
+        assert expected and [r[key] for r in _train_records(records, key)] == expected, key

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.fsdp_utils import checkpoint
+from miles.driver import run_dir
 from miles.driver.watchdog import descendants, process_start_time
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
 from tests.support.inputs import checkpoint_layout, write_digit_records
-from tests.support.trainer import make_pipeline, single_process_group
+from tests.support.trainer import make_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "train_diffusion.py: error: "
@@ -143,17 +143,17 @@ def test_a_driver_killed_during_a_save_and_between_the_groups_saves_resumes_to_t
     argv = _dmd2(root, out, save)
     # 1. Killed while the actor group writes its checkpoint of rollout 1 (the critic's is complete).
     _run_killed("during-save", 1, argv, ray_cluster)
-    assert checkpoint.read_latest(save) == 0  # rollout 1 was in flight, whatever the workers had written
+    assert run_dir.read_latest(save) == 0  # rollout 1 was in flight, whatever the workers had written
     # 2. The same command with --load (no hand edit, no flag to add), killed after the critic saved rollout 2 and
     # before the actor started to.
     _run_killed("between-saves", 2, [*argv, "--load", str(save)], ray_cluster)
-    assert checkpoint.read_latest(save) == 1
-    assert checkpoint.complete_rollouts(critic_save) == [0, 1, 2] and checkpoint.complete_rollouts(save) == [0, 1]
+    assert run_dir.read_latest(save) == 1
+    assert run_dir.complete_rollouts(critic_save) == [0, 1, 2] and run_dir.complete_rollouts(save) == [0, 1]
     # 3. Resumed again, it finishes.
     run_main([*argv, "--load", str(save)])
-    assert checkpoint.read_latest(save) == 2
+    assert run_dir.read_latest(save) == 2
     for directory in (save, critic_save):
-        assert checkpoint.complete_rollouts(directory) == [0, 1, 2]
+        assert run_dir.complete_rollouts(directory) == [0, 1, 2]
         assert not [p.name for p in directory.iterdir() if p.name.startswith(".")]
     resumed = _train_figures(out)  # three attempts in one --output-dir, no (group, rollout, step) twice
     assert sorted(resumed) == sorted(reference)
@@ -179,7 +179,7 @@ def test_a_disk_that_fills_during_a_save_stops_with_no_space_left_and_keeps_the_
         f"to {save}: No space left on device"
     ), line
     assert "Traceback" not in err
-    assert checkpoint.read_latest(save) == 0
+    assert run_dir.read_latest(save) == 0
     assert sorted(p.name for p in save.iterdir()) == ["latest", "rollout_0"]  # no partial .tmp_rollout_1
     _assert_loads_finite(root, save, 0)
 
@@ -208,28 +208,26 @@ def test_a_nan_student_stops_the_run_at_the_guard_and_the_last_good_checkpoint_s
     records = [r for r in read_metrics(out) if "train/loss" in r]
     assert [r["rollout_id"] for r in records] == [0, 0, 1, 1]  # rollout 2 never logged: it stopped inside
     assert all(math.isfinite(r["train/loss"]) and r["train/skipped_steps"] == 0 for r in records)
-    assert checkpoint.read_latest(save) == 1 and checkpoint.complete_rollouts(save) == [0, 1]
+    assert run_dir.read_latest(save) == 1 and run_dir.complete_rollouts(save) == [0, 1]
     assert sorted(p.name for p in save.iterdir()) == ["latest", "notes.txt", "rollout_0", "rollout_1"]
     _assert_loads_finite(root, save, 1)
 
 
 def _assert_loads_finite(root: Path, save: Path, rollout_id: int) -> None:
-    """The committed checkpoint loads into a fresh trainer state and its weights are finite."""
-    from torch import nn
-
-    from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+    """The committed checkpoint (written by 2 ranks) loads into a fresh 1-rank trainer without a process group and
+    its weights are finite."""
+    from miles.backends.fsdp_utils.trainer import GroupTrainer
     from miles.models import get_model_family
+    from miles.utils.collectives import LocalCollectives
     from tests.support.trainer import make_args
 
-    assert checkpoint.resume_rollout([save]) == rollout_id
+    assert run_dir.resume_rollout([save]) == rollout_id
     args = make_args(root / "digits", root, prompt_data=str(root / "train.jsonl"))
-    model = get_model_family(root / "digits").load_denoiser(root / "digits").train()
-    modules = nn.ModuleDict({"transformer": model})
-    optimizer = build_optimizer([model], args)
-    state = checkpoint.TrainState(modules, optimizer)
-    with single_process_group():
-        before = [p.detach().clone() for p in model.parameters()]
-        checkpoint.load_checkpoint(save, rollout_id, state, build_lr_scheduler(optimizer, args, 8))
+    family = get_model_family(root / "digits")
+    trainer = GroupTrainer(args, "actor", family=family, device=torch.device("cpu"), collectives=LocalCollectives())
+    model = trainer.models.denoiser
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.load(str(save), rollout_id)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the trained weights, not init
 

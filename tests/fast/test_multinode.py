@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from miles.backends.fsdp_utils.checkpoint import complete_rollouts, read_latest
+from miles.driver.run_dir import complete_rollouts, read_latest
 from miles.utils.tracking import read_metrics
 from tests.support.ray import REPO, export_test_environment
 from tests.support.trainer import make_pipeline

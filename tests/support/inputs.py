@@ -58,7 +58,10 @@ def checkpoint_layout(save_dir: Path, rollout_id: int, *, commit: bool = True) -
     path = save_dir / f"rollout_{rollout_id}"
     (path / "dcp").mkdir(parents=True)
     (path / "dcp" / ".metadata").write_bytes(b"")
-    (path / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id, "role": "actor", "world_size": 1}))
+    from miles.backends.fsdp_utils.checkpoint import FORMAT_VERSION
+
+    metadata = {"rollout_id": rollout_id, "role": "actor", "world_size": 1, "format_version": FORMAT_VERSION}
+    (path / "metadata.json").write_text(json.dumps(metadata))
     if commit:
         (save_dir / "latest").write_text(f"{rollout_id}\n")
     return path

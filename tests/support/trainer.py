@@ -8,6 +8,7 @@ import json
 import socket
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -68,6 +69,17 @@ def digits_pairs(family, rollout_id: int, count: int) -> list[TrainPair]:
         }
         pairs.append(TrainPair(sample_index=i, x0=latents[i], pos_cond=cond))
     return pairs
+
+
+def dmd2_args(**values) -> SimpleNamespace:
+    """Hook args of ``values`` whose ``method_settings`` are the ``DMD2Settings`` of its ``dmd2_*`` entries (the
+    flags' defaults for the others), as ``--loss-type dmd2`` builds them."""
+    from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Settings
+
+    settings = {name.removeprefix("dmd2_"): value for name, value in values.items() if name.startswith("dmd2_")}
+    if settings.get("gan_feature_blocks"):
+        settings["gan_feature_blocks"] = tuple(settings["gan_feature_blocks"])
+    return SimpleNamespace(**values, method_settings=DMD2Settings(**settings))
 
 
 def free_port() -> int:

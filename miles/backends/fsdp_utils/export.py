@@ -14,7 +14,7 @@ import torch
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.models.base import DENOISER
-from miles.utils.paths import check_export_target
+from miles.utils.paths import check_export_target, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
 __all__ = ["write_pipeline"]
@@ -82,14 +82,7 @@ def write_pipeline(
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        stale = out.parent / f".{out.name}.miles-export.stale"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.rename(out, stale)
-        os.rename(tmp, out)
-        shutil.rmtree(stale)
-    else:
-        os.rename(tmp, out)
+    replace_dir(tmp, out, out.parent / f".{out.name}.miles-export.stale")
 
 
 def _hidden(directory: str, names: list[str]) -> list[str]:

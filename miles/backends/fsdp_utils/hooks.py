@@ -1,6 +1,6 @@
 """A trainer group's hooks: loading them from their dotted paths, and checking what they return.
 
-The trainer (:class:`miles.backends.fsdp_utils.actor.FSDPTrainRayActor`) calls the prepare, loss, train-input and
+The trainer (:class:`miles.backends.fsdp_utils.trainer.GroupTrainer`) calls the prepare, loss, train-input and
 train-output hooks of its group (docs/customization.md); a hook that returns the wrong thing fails here, with the
 hook's path in the message, instead of deep inside the backward.
 """
@@ -50,8 +50,7 @@ def load_hooks(args) -> TrainHooks:
     ):
         if not value:
             raise ValueError(f"{flag} is unset; pass a hook path or a --loss-type that fills it (sft_loss, dmd2)")
-    train_input = getattr(args, "custom_train_input_function_path", None)
-    train_output = getattr(args, "custom_train_output_function_path", None)
+    train_input, train_output = args.custom_train_input_function_path, args.custom_train_output_function_path
     return TrainHooks(
         prepare=load_function(args.custom_prepare_train_batch_path),
         loss=load_function(args.custom_loss_function_path),

@@ -1,7 +1,7 @@
 """Load a denoiser through its model family and shard it with FSDP2.
 
-Activation checkpointing, when asked for, is applied per block before sharding (torchtitan applies its
-``ModelConverter``s and activation checkpointing before ``fully_shard``).
+A trainable denoiser's converters (:mod:`miles.backends.fsdp_utils.converters`: activation checkpointing, later LoRA)
+are applied before sharding, as torchtitan applies its ``ModelConverter``s before ``fully_shard``.
 
 With one DP rank the module is not wrapped at all, as torchtitan does with ``dp_shard = 1``: sharding over one rank
 only adds copies and hooks (a digits step measured 1.7× slower wrapped). Mixed precision then comes from
@@ -22,11 +22,15 @@ Two sharding modes (``--fsdp-reshard-every-microbatch``):
 
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from miles.backends.fsdp_utils.converters import ModelConverter
+from miles.models.base import DENOISER
 
 __all__ = [
     "TRAIN_DTYPES",
@@ -115,22 +119,26 @@ def compute_context(model: nn.Module, compute_dtype: torch.dtype, device: torch.
 def _load(
     family,
     path: str,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     device: torch.device,
     *,
     load_dtype: torch.dtype,
     compute_dtype: torch.dtype | None,
-    gradient_checkpointing: bool = False,
+    trainable: bool,
+    converters: Sequence[ModelConverter] = (),
+    component: str = DENOISER,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     model = family.load_denoiser(path, dtype=load_dtype)
-    if gradient_checkpointing:
-        # diffusers checkpoints each transformer block (torch.utils.checkpoint, non-reentrant); set before sharding
-        # so the recomputation runs inside each block's FSDP unit.
-        model.enable_gradient_checkpointing()
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    # Before the move and fully_shard: a converter may wrap layers, freeze the base or checkpoint blocks, and each
+    # block's recomputation then runs inside its own FSDP unit.
+    for converter in converters:
+        converter.convert(component, model)
     # fully_shard keeps each parameter's device; moving first lets it shard straight onto the training device.
     model.to(device)
-    if mesh.size() > 1:
+    if mesh is not None and mesh.size() > 1:
         # Per-block units only pay off when they are freed after each use (ZeRO-3); otherwise one unit is cheapest.
         blocks = family.blocks(model) if reshard_after_forward else []
         shard_model(model, blocks, mesh, compute_dtype, reshard_after_forward)
@@ -140,14 +148,15 @@ def _load(
 def load_trainable_denoiser(
     family,
     path: str,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     device: torch.device,
     compute_dtype: torch.dtype,
-    gradient_checkpointing: bool = False,
+    converters: Sequence[ModelConverter] = (),
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """The trainable denoiser of pipeline ``path``: float32 master weights (the optimizer's), sharded over the mesh
-    when it has more than one rank, in train mode, with grads; activation checkpointing per block if asked."""
+    """The trainable denoiser of pipeline ``path``: float32 master weights (the optimizer's), in train mode, with
+    grads, changed by ``converters`` (:mod:`miles.backends.fsdp_utils.converters`), then sharded over the mesh when
+    it has more than one rank (``mesh`` None: a group of one, unwrapped)."""
     model = _load(
         family,
         path,
@@ -155,20 +164,19 @@ def load_trainable_denoiser(
         device,
         load_dtype=torch.float32,
         compute_dtype=compute_dtype,
-        gradient_checkpointing=gradient_checkpointing,
+        trainable=True,
+        converters=converters,
         reshard_after_forward=reshard_after_forward,
     )
-    model.train()
-    model.requires_grad_(True)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.debug("loaded trainable denoiser from %s (%d parameters, %d ranks)", path, n_params, mesh.size())
+    logger.debug("loaded trainable denoiser from %s (%d parameters)", path, n_params)
     return model
 
 
 def load_frozen_denoiser(
     family,
     path: str,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     device: torch.device,
     compute_dtype: torch.dtype,
     reshard_after_forward: bool = True,
@@ -185,9 +193,8 @@ def load_frozen_denoiser(
         device,
         load_dtype=compute_dtype,
         compute_dtype=None,
+        trainable=False,
         reshard_after_forward=reshard_after_forward,
     )
-    model.eval()
-    model.requires_grad_(False)
     logger.debug("loaded frozen denoiser from %s in %s", path, compute_dtype)
     return model

@@ -81,6 +81,7 @@ class SleepController:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    # The same transition as sleep(), the other way.
     def wake_up(self) -> None:
         """``asleep`` → ``awake``: everything moves back to the training device."""
         if self.state == AWAKE:

@@ -5,7 +5,8 @@ the few-step sampler up to a random step i and returns only that step's input ``
 learns ``x̂0_i``, the teacher and the critic score it, and the student recomputes its x0 at ``(x_i, t_i)``.
 """
 
-from miles.utils.types import Sample, TrainPair
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Pair
+from miles.utils.types import Sample
 
 __all__ = ["expand_samples_to_train_pairs"]
 
@@ -43,8 +44,8 @@ def _stopped_step(sample: Sample) -> int:
     return step
 
 
-def expand_samples_to_train_pairs(args, samples: list[Sample]) -> list[TrainPair]:
-    """One DMD2 train pair per sample stopped at step i; rewards are ignored.
+def expand_samples_to_train_pairs(args, samples: list[Sample]) -> list[DMD2Pair]:
+    """One ``DMD2Pair`` per sample stopped at step i; rewards are ignored.
 
     Each pair holds ``latent`` = ``x_i`` and ``x0`` = ``x̂0_i`` (float32 ``(C, H, W)``), ``timestep`` = ``t_i`` in
     [0, 1000], ``sigma`` = ``σ_i`` in [0, 1], ``step_index`` = i, the positive and negative cond of ``sample.env``
@@ -63,7 +64,7 @@ def expand_samples_to_train_pairs(args, samples: list[Sample]) -> list[TrainPair
         step = _stopped_step(sample)
         trajectory = sample.trajectory
         pairs.append(
-            TrainPair(
+            DMD2Pair(
                 sample_index=sample.index,
                 x0=trajectory.x0_preds[0].float(),
                 pos_cond=dict(sample.env.pos_cond),

@@ -12,8 +12,8 @@ import ray
 import torch
 from PIL import Image
 
-from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.driver.evaluation import eval_shard, load_eval_records, maybe_evaluate, should_evaluate
+from miles.driver.run_dir import read_latest
 from miles.eval.digits.data import prompt_for_label, write_digits_jsonl
 from miles.eval.digits.grids import render_digit_grid
 from miles.ray.engine_group import EngineGroup

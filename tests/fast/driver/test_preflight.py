@@ -8,6 +8,7 @@ from miles.driver.preflight import validate_inputs
 from miles.utils.validation import ArgumentValidationError
 from tests.support.arguments import BASE
 from tests.support.arguments import validated as _validate
+from tests.support.inputs import checkpoint_layout
 
 
 def _fake_digits_pipeline(path):
@@ -74,9 +75,7 @@ def _fake_checkpoint(save_dir, *rollout_ids, commit=True):
     """A checkpoint directory as far as ``resume_rollout`` checks it: complete ``rollout_<id>`` folders, and (with
     ``commit``) ``latest`` naming the last of ``rollout_ids``."""
     for rollout_id in rollout_ids:
-        (save_dir / f"rollout_{rollout_id}" / "dcp").mkdir(parents=True)
-        (save_dir / f"rollout_{rollout_id}" / "metadata.json").write_text(json.dumps({"rollout_id": rollout_id}))
-        (save_dir / f"rollout_{rollout_id}" / "dcp" / ".metadata").write_text("")
+        checkpoint_layout(save_dir, rollout_id, commit=False)
     if commit:
         (save_dir / "latest").write_text(f"{rollout_ids[-1]}\n")
 

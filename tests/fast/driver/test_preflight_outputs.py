@@ -11,9 +11,9 @@ from collections import namedtuple
 
 import pytest
 
-from miles.backends.fsdp_utils.checkpoint import checkpoint_entries, remove_checkpoints
 from miles.driver import preflight_outputs
 from miles.driver.preflight_models import denoiser_numel
+from miles.driver.run_dir import checkpoint_entries, remove_checkpoints
 from miles.utils.validation import ArgumentValidationError
 from tests.support.inputs import checkpoint_layout, write_digit_records
 from tests.support.trainer import make_args, make_pipeline

@@ -9,7 +9,8 @@ from miles.eval.digits.data import write_digits_jsonl
 from miles.models import get_model_family
 from miles.ray.engine_group import EngineGroup
 from miles.ray.rollout import RolloutManager
-from miles.utils.types import Box, RolloutResult
+from miles.rollout.data_source import load_record_latent
+from miles.utils.types import Box, RolloutResult, SideInput
 from tests.support.rollout import make_engine, prompt_shard
 from tests.support.trainer import make_args, make_pipeline
 
@@ -56,3 +57,32 @@ def test_one_replica_generates_every_dp_shard_evaluates_and_loads_weights(ray_cl
         for engine in engines.engines:
             ray.kill(engine)
         ray.util.remove_placement_group(pg)
+
+
+def test_a_replica_trains_on_the_data_and_carries_the_side_inputs(ray_cluster, pipeline, tmp_path):
+    """The replicas generate with the actor ranks' ``RolloutGenerator``: with ``--train-only`` each pair is its
+    record's data (it once sampled the student instead), and each pair carries its dealt side-input record as a data
+    sample (the DMD2 GAN's real data, once missing on the replicas, which failed the first critic step)."""
+    train = write_digits_jsonl(tmp_path / "data", prompt_repeats=1)["train"]
+    args = make_args(pipeline, tmp_path, prompt_data=train, rollout_num_gpus=1, rollout_batch_size=4)
+    pg = ray.util.placement_group([{"CPU": 1}])
+    ray.get(pg.ready())
+    engines = EngineGroup(args, (pg, [0]), num_gpus=0.0, num_cpus=1, num_threads=1)
+    try:
+        side = [SideInput("real", train, "--dmd2-gan-real-data")]
+        shards = RolloutManager(args, 2, side).shards(0)
+        (run,) = ray.get(engines.async_generate(0, [Box(ray.put(shard)) for shard in shards]))
+        pairs = [ray.get(result.pairs.inner) for result in run]
+    finally:
+        for engine in engines.engines:
+            ray.kill(engine)
+        ray.util.remove_placement_group(pg)
+    family = get_model_family(pipeline)
+    base = str(tmp_path / "data")
+    for shard, rank_pairs in zip(shards, pairs):
+        assert [pair.sample_index for pair in rank_pairs] == shard.sample_indices
+        for pair, record, real in zip(rank_pairs, shard.records, shard.side_data["real"].records):
+            assert torch.equal(pair.x0, load_record_latent(args, family, record, base))
+            assert pair.extras["real"].prompt == real["prompt"]
+            assert torch.equal(pair.extras["real"].x0, load_record_latent(args, family, real, base))
+            assert set(pair.extras["real"].env.pos_cond) == {"encoder_hidden_states", "pooled_projections"}

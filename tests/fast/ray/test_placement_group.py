@@ -12,7 +12,7 @@ import copy
 import pytest
 import ray
 
-from miles.backends.fsdp_utils import actor as trainer
+from miles.backends.fsdp_utils import hooks as trainer
 from miles.backends.fsdp_utils.loss_hub import dmd2, sft
 from miles.driver.arguments import parse_args
 from miles.driver.schedule import needs_sleep

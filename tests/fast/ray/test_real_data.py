@@ -1,9 +1,14 @@
-"""The RolloutManager deals real data (the DMD2 GAN's) one record per generated sample, from its own seeded cursor
-that a checkpoint restores."""
+"""The RolloutManager deals a method's side inputs (the DMD2 GAN's real data) one record per generated sample, from
+their own seeded cursors that a checkpoint restores."""
 
 import json
 
+import pytest
+import torch
+
 from miles.ray.rollout import RolloutManager
+from miles.utils.misc import make_generator
+from miles.utils.types import SideInput
 from tests.support.trainer import make_args, make_pipeline
 
 
@@ -14,36 +19,34 @@ def _setup(tmp_path):
     real.parent.mkdir()
     real.write_text("".join(json.dumps({"prompt": f"real {i}", "image": [[i] * 8] * 8}) + "\n" for i in range(10)))
     args = make_args(pipeline, tmp_path, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", train_only=False)
-    return args, real
+    return args, [SideInput("real", str(real), "--dmd2-gan-real-data")]
 
 
 def test_each_shard_gets_one_real_record_per_sample_from_its_own_cursor(tmp_path):
-    args, real = _setup(tmp_path)
-    manager = RolloutManager(args, 2, real_data=str(real))
+    args, side = _setup(tmp_path)
+    manager = RolloutManager(args, 2, side)
     shards = manager.shards(0)
     assert [len(shard) for shard in shards] == [4, 4]
-    assert all(len(shard.real_records) == len(shard) for shard in shards)
-    assert all(shard.real_base_dir == str(real.parent) for shard in shards)
-    first = [record["prompt"] for shard in shards for record in shard.real_records]
-    assert len(set(first)) == 8  # 8 distinct real records of the 10, shuffled by their own seed
+    assert all(len(shard.side_data["real"].records) == len(shard) for shard in shards)
+    assert all(shard.side_data["real"].base_dir == str(tmp_path / "real") for shard in shards)
+    first = [record["prompt"] for shard in shards for record in shard.side_data["real"].records]
+    # The first 8 of the 10 real records in the order of their own shuffle ("real_shuffle", seed, epoch 0).
+    order = torch.randperm(10, generator=make_generator("real_shuffle", args.rollout_seed, 0)).tolist()
+    assert first == [f"real {i}" for i in order[:8]]
     # The prompts' order is the prompt source's alone: the same with or without real data.
     plain = RolloutManager(args, 2).shards(0)
     assert [shard.prompts for shard in plain] == [shard.prompts for shard in shards]
 
 
 def test_the_real_data_cursor_is_restored(tmp_path):
-    args, real = _setup(tmp_path)
-    manager = RolloutManager(args, 2, real_data=str(real))
+    args, side = _setup(tmp_path)
+    manager = RolloutManager(args, 2, side)
     manager.shards(0)
     state = manager.state_dict()
-    assert set(state) == {"data_source", "real_source"}
-    expected = [shard.real_records for shard in manager.shards(1)]
-    resumed = RolloutManager(args, 2, real_data=str(real))
+    assert set(state) == {"data_source", "side_sources"} and set(state["side_sources"]) == {"real"}
+    expected = [shard.side_data["real"].records for shard in manager.shards(1)]
+    resumed = RolloutManager(args, 2, side)
     resumed.load_state_dict(state)
-    assert [shard.real_records for shard in resumed.shards(1)] == expected
-    try:
-        RolloutManager(args, 2, real_data=str(real)).load_state_dict({"data_source": state["data_source"]})
-    except ValueError as exc:
-        assert "without real data" in str(exc)
-    else:
-        raise AssertionError("a checkpoint without the real-data cursor was accepted")
+    assert [shard.side_data["real"].records for shard in resumed.shards(1)] == expected
+    with pytest.raises(ValueError, match="saved without side input 'real'"):
+        RolloutManager(args, 2, side).load_state_dict({"data_source": state["data_source"]})

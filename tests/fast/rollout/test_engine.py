@@ -280,7 +280,7 @@ def test_train_only_sft_pairs_carry_the_data_images(pipeline, engine, digits_dat
         record = records[order[pair.sample_index // 2]]
         image = torch.tensor(record["image"], dtype=torch.float32)
         torch.testing.assert_close(pair.x0, (image / 255 * 2 - 1)[None])
-        assert pair.latent is None and pair.neg_cond == {}
+        assert type(pair) is TrainPair and pair.neg_cond == {} and pair.extras == {}
         expected = engine.family.encode_prompts(engine.conditioner.encoder, [record["prompt"]])
         assert torch.equal(pair.pos_cond["encoder_hidden_states"], expected["encoder_hidden_states"][0])
     assert samples[0].metadata == {"label": records[order[0]]["label"]}

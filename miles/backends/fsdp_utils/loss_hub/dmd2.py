@@ -20,11 +20,11 @@ from functools import partial
 
 import torch
 
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Pair, dmd2_settings
 from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
     disc_loss_terms,
     generator_gan_gradient,
-    noised,
     seeded_noise_levels,
 )
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
@@ -34,7 +34,7 @@ from miles.models.base import DENOISER
 from miles.models.capabilities import TrueCFG, supports
 from miles.utils.health import health_figures
 from miles.utils.misc import make_generator
-from miles.utils.sampling import FlowNoiseSchedule, x0_from_velocity
+from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels, forward_process, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
@@ -76,10 +76,13 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     fakes' positive cond and the reals' own. The critic's one forward then gives the SFT velocity of the first
     rows and, through the head's feature tap, the discriminator's features of the others (:func:`critic_gan_loss`).
 
+    The real samples are the pairs' side input ``pair.extras["real"]`` (data ``Sample`` s of
+    ``--dmd2-gan-real-data``, one per pair).
+
     Raises:
         ValueError: if a pair carries no real sample (``--dmd2-gan-real-data`` feeds them).
     """
-    missing = [pair.sample_index for pair in train_pairs if pair.real_x0 is None or not pair.real_cond]
+    missing = [pair.sample_index for pair in train_pairs if REAL_DATA not in pair.extras]
     if missing:
         raise ValueError(
             f"train pairs {missing[:8]} carry no real sample; the DMD2 GAN's critic trains on --dmd2-gan-real-data"
@@ -88,13 +91,14 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     grid = trainer_flow_grid(ctx.args)
     allowed = gan_grid_indices(ctx.args, grid)
     fake = torch.stack([pair.x0 for pair in train_pairs]).float()
-    real = torch.stack([pair.real_x0 for pair in train_pairs]).float()
+    real = torch.stack([pair.extras[REAL_DATA].x0 for pair in train_pairs]).float()
     sigma, timestep, noise = seeded_noise_levels(
         ctx, "gan_disc", ctx.microbatch_id, (2 * len(train_pairs), *fake.shape[1:]), grid, allowed
     )
-    gan_latents = noised(torch.cat([fake, real]), sigma, noise).to(ctx.device)
+    gan_latents = forward_process(torch.cat([fake, real]), sigma, noise).to(ctx.device)
     fake_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()}
-    real_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.real_cond for p in train_pairs]).items()}
+    real_conds = collate_cond([pair.extras[REAL_DATA].env.pos_cond for pair in train_pairs])
+    real_cond = {key: value.to(ctx.device) for key, value in real_conds.items()}
     return PreparedBatch(
         latents=torch.cat([sft.latents, gan_latents]),
         timestep=torch.cat([sft.timestep, timestep.to(ctx.device)]),
@@ -104,6 +108,7 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     )
 
 
+# The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def critic_gan_loss(
     ctx: TrainContext,
     train_pairs: list[TrainPair],
@@ -126,7 +131,7 @@ def critic_gan_loss(
     logits = head([features[batch:] for features in head.tap.features])
     logits_fake, logits_real = logits[:batch], logits[batch:]
     disc = disc_loss_terms(logits_fake, logits_real)
-    weight = float(ctx.args.dmd2_gan_disc_weight)
+    weight = dmd2_settings(ctx.args).gan_disc_weight
     metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
     metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
     metrics.setdefault("gan_logit_real", []).extend(logits_real.detach().cpu().tolist())
@@ -142,8 +147,7 @@ def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
     Raises:
         ValueError: if no grid point falls in the range.
     """
-    top = getattr(args, "dmd2_gan_max_timestep_ratio", args.dmd2_max_timestep_ratio)
-    return scoring_grid_indices(args, grid, max_ratio=top)
+    return scoring_grid_indices(args, grid, max_ratio=dmd2_settings(args).gan_max_timestep_ratio)
 
 
 def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None = None) -> torch.Tensor:
@@ -155,8 +159,9 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None 
     Raises:
         ValueError: if no grid point falls in the range.
     """
-    low = args.dmd2_min_timestep_ratio * NUM_TRAIN_TIMESTEPS
-    high = (args.dmd2_max_timestep_ratio if max_ratio is None else max_ratio) * NUM_TRAIN_TIMESTEPS
+    settings = dmd2_settings(args)
+    low = settings.min_timestep_ratio * NUM_TRAIN_TIMESTEPS
+    high = (settings.max_timestep_ratio if max_ratio is None else max_ratio) * NUM_TRAIN_TIMESTEPS
     allowed = torch.nonzero((grid.timesteps >= low) & (grid.timesteps <= high)).flatten()
     if len(allowed) == 0:
         raise ValueError(
@@ -193,9 +198,9 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
 
     Args:
         ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
-            (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`),
-            ``args.seed``, ``args.fsdp_flow_shift``, ``args.micro_batch_size``, ``args.dmd2_teacher_guidance_scale``,
-            ``args.dmd2_min_timestep_ratio`` / ``args.dmd2_max_timestep_ratio``, ``rollout_id`` and ``dp_rank``.
+            (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
+            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale and
+            scoring range, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
     It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
@@ -224,7 +229,7 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     args = ctx.args
     teacher = ctx.teacher_models[DENOISER]
     critic = ctx.models[DENOISER]
-    guidance_scale = float(args.dmd2_teacher_guidance_scale)
+    guidance_scale = dmd2_settings(args).teacher_guidance_scale
     # Only true CFG runs an unconditional branch; an embedded-guidance teacher takes the scale as an input.
     true_cfg = supports(ctx.family, TrueCFG)
     if guidance_scale != 1.0 and true_cfg:
@@ -242,12 +247,9 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 chunk = train_pairs[start : start + micro_batch_size]
                 x0_hat = torch.stack([pair.x0 for pair in chunk]).float()
                 generator = make_generator("dmd2_score", args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-                grid_index = allowed[torch.randint(0, len(allowed), (len(chunk),), generator=generator)]
-                noise = torch.randn(x0_hat.shape, generator=generator, dtype=torch.float32)
-                sigma = grid.sigmas[grid_index]
-                timestep = grid.timesteps[grid_index].float()
+                _, sigma, timestep, noise = draw_noise_levels(generator, grid, x0_hat.shape, allowed)
+                x_sigma = forward_process(x0_hat, sigma, noise)
                 sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
-                x_sigma = (1 - sigma_b) * x0_hat + sigma_b * noise
 
                 pos_cond = collate_cond([pair.pos_cond for pair in chunk])
                 neg_cond = (
@@ -304,7 +306,7 @@ def _single_component(ctx: TrainContext) -> str:
     return next(iter(ctx.models))
 
 
-def prepare_generator_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
+def prepare_generator_batch(ctx: TrainContext, train_pairs: list[DMD2Pair]) -> PreparedBatch:
     """The student's unguided forward at the rollout's stopped step ``(x_i, t_i)`` with the positive cond.
 
     Args:
@@ -318,14 +320,14 @@ def prepare_generator_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> 
         ``{"sigma": float64 (B,), "rollout_x0": float32 (B, C, H, W), "sample_index": int64 (B,)}``.
 
     Raises:
-        ValueError: if ``ctx.models`` holds more than one trainable component, or a pair lacks its DMD2 fields.
+        ValueError: if ``ctx.models`` holds more than one trainable component, or a pair is not a ``DMD2Pair``.
     """
     component = _single_component(ctx)
     for pair in train_pairs:
-        if pair.latent is None or pair.sigma is None or pair.timestep is None:
+        if not isinstance(pair, DMD2Pair):
             raise ValueError(
-                f"train pair of sample {pair.sample_index} has no latent/sigma/timestep; --loss-type dmd2 needs the "
-                "pairs of miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
+                f"train pair of sample {pair.sample_index} is a {type(pair).__name__}, not a DMD2Pair (no stopped "
+                "step); --loss-type dmd2 needs the pairs of miles.ray.data_conversion_hub.dmd2.expand_samples_to_train_pairs"
             )
     device = ctx.device
     return PreparedBatch(
@@ -386,6 +388,7 @@ def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.
     return x0_real, x0_fake, g_gan
 
 
+# The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def dmd2_loss_formula(
     ctx: TrainContext,
     train_pairs: list[TrainPair],
@@ -420,7 +423,7 @@ def dmd2_loss_formula(
     sigma = prepared.extras["sigma"].to(device=device, dtype=torch.float32).view(-1, *([1] * (v.ndim - 1)))
     x0 = latents - sigma * v
     x0_real, x0_fake, g_gan = _critic_scores(ctx, prepared.extras["sample_index"], device)
-    gan_weight = float(getattr(ctx.args, "dmd2_gan_gen_weight", 0.0) or 0.0)
+    gan_weight = dmd2_settings(ctx.args).gan_gen_weight
 
     reduce_dims = tuple(range(1, x0.ndim))
     with torch.no_grad():

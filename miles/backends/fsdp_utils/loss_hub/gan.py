@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
 from miles.models.base import DENOISER
 from miles.models.capabilities import TokenFeatures, require
 from miles.utils.misc import make_generator
+from miles.utils.sampling import draw_noise_levels, forward_process
 
 __all__ = [
     "DISC_HEAD",
@@ -34,9 +36,7 @@ __all__ = [
     "FeatureTap",
     "build_discriminator",
     "discriminator_logits",
-    "gan_noise_level",
     "generator_gan_gradient",
-    "noised",
     "seeded_noise_levels",
 ]
 
@@ -140,7 +140,7 @@ class DiscriminatorHead(nn.Module):
 
 def feature_blocks(args, num_blocks: int) -> list[int]:
     """``--dmd2-gan-feature-blocks``, default the middle block (``num_blocks // 2``)."""
-    blocks = getattr(args, "dmd2_gan_feature_blocks", None)
+    blocks = dmd2_settings(args).gan_feature_blocks
     return [int(index) for index in blocks] if blocks else [num_blocks // 2]
 
 
@@ -165,13 +165,6 @@ def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Modu
     return {DISC_HEAD: head}
 
 
-def gan_noise_level(args, grid, allowed: torch.Tensor, count: int, generator: torch.Generator):
-    """Draw ``count`` diffusion-GAN noise levels like the scoring σ: grid positions uniform over ``allowed``, then
-    the noise. Returns ``(sigma float64 (count,), timestep float32 (count,))``."""
-    index = allowed[torch.randint(0, len(allowed), (count,), generator=generator)]
-    return grid.sigmas[index], grid.timesteps[index].float()
-
-
 def discriminator_logits(
     ctx,
     x0: torch.Tensor,
@@ -184,14 +177,8 @@ def discriminator_logits(
     transformer with ``cond`` under the head's tap and return the head's float32 logits ``(B,)``. Gradients flow to
     ``x0`` and to the critic and head parameters (as they require)."""
     head = ctx.models[DISC_HEAD]
-    ctx.predict_velocity(ctx.models[DENOISER], noised(x0, sigma, noise), timestep, cond)
+    ctx.predict_velocity(ctx.models[DENOISER], forward_process(x0, sigma, noise), timestep, cond)
     return head(head.tap.features)
-
-
-def noised(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The flow-matching ``x_σ = (1 − σ)·x0 + σ·ε`` of a batch, σ float ``(B,)``."""
-    sigma_b = sigma.to(device=x0.device, dtype=torch.float32).view(-1, *([1] * (x0.ndim - 1)))
-    return (1 - sigma_b) * x0 + sigma_b * noise.to(device=x0.device, dtype=x0.dtype)
 
 
 def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> torch.Tensor:
@@ -200,6 +187,7 @@ def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> tor
     return F.softplus(logits_fake) + F.softplus(-logits_real)
 
 
+# discriminator_logits' inputs: it runs D through it, with x0 as the leaf of the gradient.
 def generator_gan_gradient(
     ctx,
     x0: torch.Tensor,
@@ -232,9 +220,8 @@ def generator_gan_gradient(
 
 
 def seeded_noise_levels(ctx, purpose: str, microbatch_id: int, x0_shape, grid, allowed):
-    """The σ, timestep and noise of one diffusion-GAN draw, from ``make_generator(purpose, seed, rollout,
-    micro-batch, DP rank)`` (σ first, then the noise, on the CPU)."""
+    """The σ, timestep and noise of one diffusion-GAN draw (:func:`miles.utils.sampling.draw_noise_levels` over the
+    ``allowed`` grid positions), from ``make_generator(purpose, seed, rollout, micro-batch, DP rank)``."""
     generator = make_generator(purpose, ctx.args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-    sigma, timestep = gan_noise_level(ctx.args, grid, allowed, x0_shape[0], generator)
-    noise = torch.randn(x0_shape, generator=generator, dtype=torch.float32)
+    _, sigma, timestep, noise = draw_noise_levels(generator, grid, tuple(x0_shape), allowed)
     return sigma, timestep, noise

@@ -12,7 +12,7 @@ import torch
 
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.utils.misc import make_generator
-from miles.utils.sampling import FlowNoiseSchedule
+from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels, forward_process
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = ["NUM_TRAIN_TIMESTEPS", "trainer_flow_grid", "prepare_sft_batch", "sft_loss_formula"]
@@ -55,15 +55,11 @@ def prepare_sft_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Prepar
     grid = trainer_flow_grid(args)
     x0 = torch.stack([pair.x0 for pair in train_pairs]).float()
     generator = make_generator("sample", args.seed, ctx.rollout_id, ctx.microbatch_id, ctx.dp_rank)
-    grid_index = torch.randint(0, grid.num_steps, (len(train_pairs),), generator=generator)
-    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
-    sigma = grid.sigmas[grid_index]
-    timestep = grid.timesteps[grid_index].float()
-    sigma_b = sigma.float().view(-1, *([1] * (x0.ndim - 1)))
-    latents = (1 - sigma_b) * x0 + sigma_b * noise
+    grid_index, sigma, timestep, noise = draw_noise_levels(generator, grid, x0.shape)
+    latents = forward_process(x0, sigma, noise)
     target = noise - x0
     conds = [pair.pos_cond for pair in train_pairs]
-    uncond_prob = getattr(args, "sft_uncond_prob", 0.0)
+    uncond_prob = args.sft_uncond_prob
     if uncond_prob > 0:
         # Drawn after the noise so that runs without conditioning dropout keep their exact draws.
         drop = torch.rand(len(train_pairs), generator=generator) < uncond_prob
@@ -92,6 +88,7 @@ def _uncond(pair: TrainPair) -> dict[str, torch.Tensor]:
     return pair.neg_cond
 
 
+# The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def sft_loss_formula(
     ctx: TrainContext,
     train_pairs: list[TrainPair],

@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 
-from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.hooks import load_hooks, metric_key, split_windows
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.driver import run_dir
 from miles.eval.digits.data import write_digits_jsonl
 from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
@@ -155,15 +155,15 @@ def test_resume_reproduces_losses_and_weights(ray_cluster, pipeline, family, tmp
             losses_full[rollout_id] = results[0].metrics[0]["train/loss"]
             if rollout_id == 1:
                 ray.get(group.async_save(rollout_id, {"cursor": 16}))
-                checkpoint.commit([save], rollout_id)  # the driver commits once every group has saved
+                run_dir.commit([save], rollout_id)  # the driver commits once every group has saved
         weights_full = ray.get(group.async_get_full_state_dict())[0]
     finally:
         _teardown(group, pg)
     assert (save / "latest").read_text().strip() == "1"
 
     resumed = make_args(pipeline, tmp_path / "resumed", load=str(save))
-    assert checkpoint.read_data_state(save) == (1, {"cursor": 16})
-    group, pg, starts = _spawn(resumed, load_rollout_id=checkpoint.resume_rollout([save]))
+    assert run_dir.read_data_state(save) == (1, {"cursor": 16})
+    group, pg, starts = _spawn(resumed, load_rollout_id=run_dir.resume_rollout([save]))
     losses_resumed = {}
     try:
         assert starts == [2, 2]

@@ -66,7 +66,12 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
             optimizer = build_optimizer([model], args)
             scheduler = build_lr_scheduler(optimizer, args, 10)
             ema = ParameterEMA(modules, decay=0.99)
-            return model, optimizer, scheduler, ema, checkpoint.TrainState(modules, optimizer, ema)
+            states = {
+                "train": checkpoint.ModulesState(modules, optimizer),
+                "ema": ema,
+                "scheduler": checkpoint.SchedulerState(scheduler),
+            }
+            return model, optimizer, scheduler, ema, states
 
         model, optimizer, scheduler, ema, state = group()
         for step in range(3):
@@ -75,10 +80,10 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
             scheduler.step()
             optimizer.zero_grad()
             ema.update()
-        checkpoint.save_checkpoint(tmp_path / "ckpt", 2, state, scheduler, role="actor")
+        checkpoint.save_checkpoint(tmp_path / "ckpt", 2, state, role="actor")
         saved = {name: t.full_tensor().clone() for name, t in ema.state_dict()["shadow"].items()}
-        _, _, fresh_scheduler, fresh_ema, fresh_state = group()
-        checkpoint.load_checkpoint(tmp_path / "ckpt", 2, fresh_state, fresh_scheduler)
+        _, _, _, fresh_ema, fresh_state = group()
+        checkpoint.load_checkpoint(tmp_path / "ckpt", 2, fresh_state)
         loaded = {name: t.full_tensor() for name, t in fresh_ema.state_dict()["shadow"].items()}
         assert fresh_ema.num_updates == ema.num_updates == 3
     assert saved.keys() == loaded.keys()

@@ -5,7 +5,6 @@ real images, FSDP2 on a 1-rank gloo process group for the sharded side.
 """
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,19 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_hub
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Pair
 from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
     DiscriminatorHead,
     build_discriminator,
     disc_loss_terms,
     generator_gan_gradient,
-    noised,
 )
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import shard_model
 from miles.models import ModelFamily, TrueCFG, get_model_family
-from miles.utils.types import TrainPair
-from tests.support.trainer import TEXT_DIM, make_pipeline, single_process_group
+from miles.utils.sampling import forward_process
+from miles.utils.types import DenoisingEnv, Sample, TrainPair
+from tests.support.trainer import TEXT_DIM, dmd2_args, make_pipeline, single_process_group
 
 COND_LEN = 16
 
@@ -46,7 +46,7 @@ def _args(pipeline, **overrides):
         sft_uncond_prob=0.0,
     )
     base.update(overrides)
-    return SimpleNamespace(**base)
+    return dmd2_args(**base)
 
 
 def _ctx(args, family, models, teacher=None, external=None):
@@ -115,7 +115,7 @@ def test_g_gan_equals_autograd_through_an_unsharded_copy(tmp_path):
     captured = []
     ref_critic.transformer_blocks[1].register_forward_hook(lambda m, i, out: captured.append(out[1]))
     x = x0.clone().requires_grad_(True)
-    family.predict_velocity(ref_critic, noised(x, sigma, noise), timestep, cond)
+    family.predict_velocity(ref_critic, forward_process(x, sigma, noise), timestep, cond)
     (expected,) = torch.autograd.grad(F.softplus(-ref_head(captured)).sum(), x)
 
     with single_process_group() as mesh:
@@ -148,7 +148,9 @@ def test_the_head_learns_real_digits_from_noised_fakes(tmp_path):
     losses = []
     for _ in range(6):
         both = {key: torch.cat([value, value]) for key, value in cond.items()}
-        family.predict_velocity(critic, noised(torch.cat([fake, real]), sigma, noise), (sigma * 1000).float(), both)
+        family.predict_velocity(
+            critic, forward_process(torch.cat([fake, real]), sigma, noise), (sigma * 1000).float(), both
+        )
         logits = head(head.tap.features)
         loss = disc_loss_terms(logits[:16], logits[16:]).mean()
         optimizer.zero_grad()
@@ -167,7 +169,7 @@ def _generator_inputs(family, pipeline):
     conds = _cond(3, 5)
     for i in range(3):
         pairs.append(
-            TrainPair(
+            DMD2Pair(
                 sample_index=i,
                 x0=latents[i] * 0.5,
                 pos_cond={key: value[i] for key, value in conds.items()},
@@ -248,8 +250,9 @@ def test_the_critic_gan_batch_runs_sft_fakes_and_reals_in_one_forward(tmp_path):
             sample_index=i,
             x0=fake[i],
             pos_cond={k: v[i] for k, v in conds.items()},
-            real_x0=real[i],
-            real_cond={k: v[i] for k, v in real_conds.items()},
+            extras={
+                "real": Sample(i, f"real {i}", env=DenoisingEnv({k: v[i] for k, v in real_conds.items()}), x0=real[i])
+            },
         )
         for i in range(4)
     ]

@@ -2,6 +2,7 @@
 
 import torch
 
+from miles.backends.fsdp_utils.converters import GradientCheckpointing
 from miles.backends.fsdp_utils.model import load_trainable_denoiser, shard_model
 from miles.models import get_model_family
 from tests.support.trainer import denoiser_loss, make_pipeline, single_process_group
@@ -27,7 +28,7 @@ def test_checkpointed_blocks_give_the_same_gradients(tmp_path):
     with single_process_group() as mesh:
         plain = load_trainable_denoiser(family, str(pipeline), mesh, torch.device("cpu"), torch.float32)
         checkpointed = load_trainable_denoiser(
-            family, str(pipeline), mesh, torch.device("cpu"), torch.float32, gradient_checkpointing=True
+            family, str(pipeline), mesh, torch.device("cpu"), torch.float32, converters=[GradientCheckpointing()]
         )
         assert not plain.gradient_checkpointing and checkpointed.gradient_checkpointing
         plain_calls, checkpointed_calls = [], []

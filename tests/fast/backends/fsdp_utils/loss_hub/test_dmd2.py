@@ -6,7 +6,6 @@ with the cond kwargs); the model families themselves are tested in tests/fast/mo
 
 import math
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,12 +21,14 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
     prepare_generator_batch,
     record_rollout_train_abs_diff,
 )
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Pair
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.models import TrueCFG
 from miles.utils.misc import make_generator
 from miles.utils.sampling import FlowNoiseSchedule
 from miles.utils.types import TrainPair
+from tests.support.trainer import dmd2_args
 
 C, H, W, L, D, P = 2, 4, 4, 3, 5, 6
 
@@ -67,9 +68,10 @@ def make_args(**overrides):
         dmd2_teacher_guidance_scale=1.0,
         dmd2_min_timestep_ratio=0.02,
         dmd2_max_timestep_ratio=0.98,
+        sft_uncond_prob=0.0,
     )
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return dmd2_args(**values)
 
 
 def make_ctx(args=None, models=None, teacher_models=None, external_data=None, dp_rank=0, rollout_id=3, mb=0):
@@ -95,14 +97,14 @@ def make_cond(gen):
     }
 
 
-def make_dmd2_pairs(count: int, seed: int = 0, with_neg: bool = True) -> list[TrainPair]:
+def make_dmd2_pairs(count: int, seed: int = 0, with_neg: bool = True) -> list[DMD2Pair]:
     gen = torch.Generator().manual_seed(seed)
     schedule = FlowNoiseSchedule(4, 3.0)
     pairs = []
     for j in range(count):
         step = j % 4
         pairs.append(
-            TrainPair(
+            DMD2Pair(
                 sample_index=100 + 3 * j,
                 x0=torch.randn(C, H, W, generator=gen),
                 pos_cond=make_cond(gen),
@@ -589,7 +591,7 @@ def test_gaussian_toy_moves_student_mean_to_teacher_mean():
         x_i = torch.randn(batch_size, 1, 4, 4, generator=gen)
         x0_student = mu_student + std * z
         pairs = [
-            TrainPair(
+            DMD2Pair(
                 sample_index=j,
                 x0=x0_student[j].detach(),
                 pos_cond={"pooled_projections": torch.zeros(P)},

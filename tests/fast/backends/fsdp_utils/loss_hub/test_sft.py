@@ -31,7 +31,7 @@ def make_pairs(count: int, seed: int = 0) -> list[TrainPair]:
 
 
 def make_ctx(rollout_id=2, microbatch_id=5, dp_rank=1, seed=7, shift=3.0) -> TrainContext:
-    args = SimpleNamespace(seed=seed, fsdp_flow_shift=shift)
+    args = SimpleNamespace(seed=seed, fsdp_flow_shift=shift, sft_uncond_prob=0.0)
     return TrainContext(
         args=args,
         models={"transformer": nn.Identity()},

@@ -1,0 +1,186 @@
+"""A trainer group's model set: what it trains, what it only runs, and what updates and checkpoints them.
+
+``build_model_set`` loads, in this order (the global RNG is seeded before, so a method's randomly initialised
+module is the same on every rank and every run):
+
+1. the trainable denoiser of ``--hf-checkpoint`` (float32 master weights), changed by the group's converters and
+   sharded over the mesh (:mod:`miles.backends.fsdp_utils.model`);
+2. the frozen teacher of ``--teacher-load``, if any, in the compute dtype;
+3. the modules a method builds on the denoiser (``--custom-build-modules-path``: the DMD2 GAN's discriminator head),
+   converted and sharded like the denoiser;
+
+then one AdamW over every trainable parameter, its LR schedule, and the EMA (``--ema-decay``). Parameters a converter
+froze are left out of the optimizer, the EMA, the gradient clip and (as the converter says) the checkpoint.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from miles.backends.fsdp_utils.checkpoint import ModulesState, RNGState, SchedulerState
+from miles.backends.fsdp_utils.converters import ModelConverter, keeps_in_checkpoint
+from miles.backends.fsdp_utils.ema import ParameterEMA
+from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
+from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.utils.misc import load_function
+from miles.utils.validation import HookResultError
+
+__all__ = ["DENOISER", "ModelSet", "build_model_set", "local_bytes"]
+
+logger = logging.getLogger(__name__)
+
+# The trainable denoiser's component name: PreparedBatch.component and TrainContext.models use it.
+from miles.models.base import DENOISER  # noqa: E402  (re-exported)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (its shard of a DTensor)."""
+    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class ModelSet:
+    """One group's models and their update state.
+
+    Attributes:
+        trainable: the trainable components by name: the denoiser (:data:`DENOISER`) and the modules a method built.
+        frozen: frozen models by component name (``{"transformer": teacher}``), ``{}`` without ``--teacher-load``.
+        optimizer: AdamW over :meth:`trainable_parameters`; scheduler: its LR schedule.
+        ema: the EMA of the trainable parameters, or None.
+        converters: the converters applied before sharding (their checkpoint filter applies to every save).
+    """
+
+    trainable: nn.ModuleDict
+    frozen: dict[str, nn.Module]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: ParameterEMA | None = None
+    converters: list[ModelConverter] = field(default_factory=list)
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.trainable[DENOISER]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates (a converter may have frozen others)."""
+        return [param for param in self.trainable.parameters() if param.requires_grad]
+
+    def modules(self) -> list[nn.Module]:
+        """Every module of the set, trainable first."""
+        return [*self.trainable.values(), *self.frozen.values()]
+
+    def states(self) -> dict[str, Stateful]:
+        """The checkpoint's ``Stateful`` things by name: modules and optimizer, the EMA, the LR schedule, the RNG."""
+        keep = None
+        if self.converters:
+            converters = self.converters
+
+            def keep(key: str) -> bool:
+                return keeps_in_checkpoint(converters, key)
+
+        states: dict[str, Stateful] = {"train": ModulesState(self.trainable, self.optimizer, keep)}
+        if self.ema is not None:
+            states["ema"] = self.ema
+        states["scheduler"] = SchedulerState(self.scheduler)
+        states["rng"] = RNGState()
+        return states
+
+    def reshard(self) -> None:
+        """Free every gathered parameter (sharded models stay gathered through a phase; see ``model.py``)."""
+        for module in self.modules():
+            reshard(module)
+
+    def memory_bytes(self, gradient_bytes: int = 0) -> dict[str, int]:
+        """Bytes this rank holds at rest: trainable parameters (its shards), ``gradient_bytes`` (the last step's),
+        the optimizer state and the frozen models."""
+        optim = sum(
+            local_bytes(value)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return {
+            "parameters": sum(local_bytes(p) for p in self.trainable.parameters()),
+            "gradients": gradient_bytes,
+            "optimizer": optim,
+            "frozen": sum(local_bytes(p) for model in self.frozen.values() for p in model.parameters()),
+        }
+
+
+def _built_modules(
+    args,
+    denoiser: nn.Module,
+    converters: list[ModelConverter],
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: DeviceMesh | None,
+) -> dict[str, nn.Module]:
+    """Call ``--custom-build-modules-path`` (``fn(args, models) -> {name: nn.Module}``) on the loaded denoiser, then
+    convert, place and shard each module it returns like the denoiser (one FSDP unit each)."""
+    path = args.custom_build_modules_path
+    built = load_function(path)(args, {DENOISER: denoiser})
+    if not isinstance(built, dict) or not all(
+        isinstance(name, str) and isinstance(module, nn.Module) for name, module in built.items()
+    ):
+        raise HookResultError(
+            f"--custom-build-modules-path {path} returned {type(built).__name__}; expected a dict of "
+            "name -> torch.nn.Module"
+        )
+    if DENOISER in built:
+        raise ValueError(f"--custom-build-modules-path {path} returned a module named {DENOISER!r}, the denoiser's")
+    for name, module in built.items():
+        module.train().requires_grad_(True)
+        for converter in converters:
+            converter.convert(name, module)
+        module.to(device)
+        if mesh is not None and mesh.size() > 1:
+            shard_model(module, [], mesh, dtype, reshard_after_forward=args.fsdp_reshard_every_microbatch)
+    return built
+
+
+def build_model_set(
+    args,
+    family: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: DeviceMesh | None,
+    converters: list[ModelConverter],
+) -> ModelSet:
+    """Load and build a group's model set (module docstring).
+
+    Args:
+        args: the group's args: ``hf_checkpoint``, ``teacher_load``, ``custom_build_modules_path``, the optimizer's
+            and schedule's flags, ``ema_decay``, ``fsdp_reshard_every_microbatch``, ``num_rollout`` and
+            ``num_steps_per_rollout`` (the schedule's horizon).
+        mesh: the group's 1-D data-parallel mesh; None for a group of one (nothing is wrapped).
+        converters: applied to every trainable module before sharding, in order.
+
+    Raises:
+        HookResultError / ValueError: for a module builder that returns something else than named modules.
+        ValueError: if no parameter is left trainable.
+    """
+    # Gathered through each phase, reduce-scattered once per optimizer step (see model.py), unless memory is short.
+    reshard_after_forward = args.fsdp_reshard_every_microbatch
+    denoiser = load_trainable_denoiser(
+        family, args.hf_checkpoint, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
+    )
+    frozen = {}
+    if args.teacher_load:
+        frozen[DENOISER] = load_frozen_denoiser(
+            family, args.teacher_load, mesh, device, dtype, reshard_after_forward=reshard_after_forward
+        )
+    trainable = nn.ModuleDict({DENOISER: denoiser})
+    if args.custom_build_modules_path:
+        for name, module in _built_modules(args, denoiser, converters, device, dtype, mesh).items():
+            trainable[name] = module
+    optimizer = build_optimizer(list(trainable.values()), args)
+    scheduler = build_lr_scheduler(optimizer, args, args.num_rollout * args.num_steps_per_rollout)
+    ema = ParameterEMA(trainable, args.ema_decay) if args.ema_decay else None
+    return ModelSet(trainable, frozen, optimizer, scheduler, ema, list(converters))

@@ -1,0 +1,406 @@
+"""``GroupTrainer``: what one rank of a trainer group does with its pairs, without Ray.
+
+A plain class: it owns the group's model set (:mod:`~miles.backends.fsdp_utils.model_set`), its hooks, the window
+loop and the checkpoint of its state, and it talks to the other ranks only through the ``Collectives`` it is handed.
+The Ray shell (``FSDPTrainRayActor``) gives it a process group's collectives and a mesh; a unit test gives it
+``LocalCollectives`` and no mesh, and it trains at world size 1 on the CPU with no process group at all.
+
+One rollout, per rank::
+
+    pairs = train_input_hook(ctx, pairs)                          # optional; every rank keeps an equal count
+    for window in split(pairs, num_steps_per_rollout):            # step(): one optimizer step each
+        for micro_batch in split(window, micro_batch_size):
+            prepared = prepare_hook(ctx, micro_batch)
+            new_pred = ctx.predict_velocity(models[prepared.component], ...)
+            (loss_hook(ctx, micro_batch, prepared, new_pred=..., metrics=m) / len(window)).backward()
+        clip; a non-finite norm skips the step; optimizer.step(); scheduler.step(); post-step hooks (the EMA)
+    output = train_output_hook(ctx, pairs)                        # optional, no grad; later groups read it
+    metrics averaged over the ranks (one gather per rollout, rank 0 keeps them)
+
+A method whose update is not "backward of a summed loss" (a JVP method such as sCM) overrides :meth:`step`.
+"""
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.converters import ModelConverter, build_converters
+from miles.backends.fsdp_utils.hooks import (
+    TrainHooks,
+    check_loss,
+    check_prepared,
+    check_train_input,
+    load_hooks,
+    metric_key,
+    split_windows,
+)
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.model import compute_context, resolve_dtype, window_sync
+from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local_bytes
+from miles.backends.fsdp_utils.sleep import SleepController
+from miles.utils.collectives import Collectives, check_equal_counts
+from miles.utils.misc import load_function
+from miles.utils.types import TrainPair
+from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWeightsError
+
+__all__ = ["GroupTrainer", "group_trainer_class", "timed"]
+
+logger = logging.getLogger(__name__)
+
+
+def timed(timers: dict[str, float], key: str, device: torch.device, fn: Callable, *args):
+    """Run ``fn(*args)``, adding its seconds to ``timers[key]``; on CUDA also the phase's peak device memory
+    (``timers["peak_<phase>_bytes"]``, the largest over the calls)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        timers[key] = timers.get(key, 0.0) + time.perf_counter() - start
+        if cuda:
+            peak = f"peak_{key.removesuffix('_time')}_bytes"
+            timers[peak] = max(timers.get(peak, 0), torch.cuda.max_memory_allocated(device))
+
+
+class GroupTrainer:
+    """One rank of a trainer group: its model set, hooks and window loop.
+
+    Args:
+        args: the group's args (``compute_trainer_args(args, trainer)``).
+        role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
+        family: the model family (loading, the velocity forward).
+        device: where the models train.
+        collectives: the group's collectives (``LocalCollectives`` for a group of one).
+        mesh: the group's 1-D data-parallel mesh, or None for a group of one (nothing is sharded).
+        hooks: the group's hooks; default loaded from the args' paths.
+        converters: changes applied to the trainable modules before sharding; default :func:`build_converters`.
+
+    Raises:
+        ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``.
+        RuntimeError: if a model does not load.
+    """
+
+    def __init__(
+        self,
+        args,
+        role: str,
+        *,
+        family: Any,
+        device: torch.device,
+        collectives: Collectives,
+        mesh=None,
+        hooks: TrainHooks | None = None,
+        converters: list[ModelConverter] | None = None,
+    ) -> None:
+        self.args, self.role, self.family, self.device = args, role, family, device
+        self.collectives = collectives
+        self.rank, self.world_size = collectives.rank, collectives.world_size
+        self.hooks = hooks if hooks is not None else load_hooks(args)
+        self.output_before = args.train_output_before_step
+        if self.output_before is not None and not 0 <= self.output_before < args.num_steps_per_rollout:
+            raise ValueError(
+                f"train_output_before_step={self.output_before} must index one of the {args.num_steps_per_rollout} "
+                "optimizer steps of a rollout"
+            )
+        self.dtype = resolve_dtype(args.train_dtype)
+        self.sync_every_microbatch = args.fsdp_reshard_every_microbatch
+        converters = build_converters(args) if converters is None else converters
+        self.models: ModelSet = build_model_set(args, family, device, self.dtype, mesh, converters)
+        # Run after every optimizer step that was taken (not after a skipped one), in order.
+        self.post_step_hooks: list[Callable[[], None]] = []
+        if self.models.ema is not None:
+            self.post_step_hooks.append(self.models.ema.update)
+        self.ema_for_eval = self.models.ema is not None and args.ema_for_eval
+        self.sleeper = SleepController(self.models.modules(), self.models.optimizer, device, ema=self.models.ema)
+        self.max_skipped_steps = args.max_skipped_steps
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0
+        self.gradient_bytes = 0
+        self._output_metrics: dict[str, list[float]] = {}
+
+    # -- the rollout ---------------------------------------------------------------------------------------------
+    def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int) -> TrainContext:
+        """What a hook sees for one micro-batch."""
+        return TrainContext(
+            args=self.args,
+            models=dict(self.models.trainable),
+            teacher_models=self.models.frozen,
+            external_data=external,
+            family=self.family,
+            device=self.device,
+            dtype=self.dtype,
+            rollout_id=rollout_id,
+            microbatch_id=microbatch_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+        )
+
+    def train(
+        self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
+    ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
+        """Train on this rank's pairs of one rollout.
+
+        Args:
+            external: earlier groups' train outputs for this rank, by role (``ctx.external_data``).
+
+        Returns:
+            ``(output, metrics, timers)``: the train-output hook's value (None without the hook); one record per
+            optimizer step averaged over the ranks (``train/...`` keys, rank 0 only, ``[]`` on the others); the
+            seconds of ``train_steps_time`` and ``train_output_time`` (and peak CUDA bytes).
+
+        Raises:
+            RuntimeError: if the group is asleep.
+            ValueError / HookResultError: if the pairs do not split into ``--num-steps-per-rollout`` windows, or the
+                train-input hook breaks the ranks' equal counts (raised on every rank before any model collective).
+            NonFiniteError: after ``--max-skipped-steps`` non-finite steps in a row.
+        """
+        if self.sleeper.asleep:
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
+        if self.hooks.train_input is not None:
+            pairs = self._train_input(rollout_id, pairs, external)
+        windows = split_windows(pairs, self.args.num_steps_per_rollout, self.args.micro_batch_size)
+        timers = {"train_steps_time": 0.0, "train_output_time": 0.0}
+        self._output_metrics = {}
+        output, output_done = None, self.hooks.train_output is None
+        step_metrics = []
+        for index, window in enumerate(windows):
+            if not output_done and self.output_before == index:
+                output = timed(
+                    timers, "train_output_time", self.device, self.train_output, rollout_id, external, pairs
+                )
+                output_done = True
+            first = index * len(windows[0])
+            step_metrics.append(
+                timed(timers, "train_steps_time", self.device, self.step, rollout_id, external, window, first)
+            )
+        if not output_done:
+            output = timed(timers, "train_output_time", self.device, self.train_output, rollout_id, external, pairs)
+        # A hook may have run a frozen model (kept gathered through the phase); free it before the next group.
+        self.models.reshard()
+        for name, values in self._output_metrics.items():
+            if values:
+                step_metrics[-1][name] = sum(values) / len(values)
+        return output, self.reduce_metrics(step_metrics), timers
+
+    def _train_input(self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]) -> list[TrainPair]:
+        received = len(pairs)
+        pairs = self.hooks.train_input(self.context(rollout_id, external, 0), pairs)
+        path = self.args.custom_train_input_function_path
+        problem = None
+        try:
+            check_train_input(pairs, path, received)
+        except HookResultError as exc:
+            problem = exc
+        count = len(pairs) if problem is None else 0
+        check_equal_counts(self.collectives, count, f"train-input hook {path}", self.role, problem)
+        return pairs
+
+    def step(
+        self, rollout_id: int, external: dict[str, Any], micro_batches: list[list[TrainPair]], first_microbatch_id: int
+    ) -> dict[str, float]:
+        """One optimizer step on one window: forward and backward of every micro-batch (prepare, forward, loss /
+        the window's pair count), then :meth:`apply_gradients`. Returns the step's metrics (``loss``,
+        ``grad_norm``, ``lr``, ``step``, ``skipped_steps`` and the loss hook's own, averaged over the pairs).
+
+        A method whose update needs more than the backward of a summed loss (a JVP method such as sCM) overrides
+        this and ends with :meth:`apply_gradients` too, so clipping, the non-finite skip and the post-step hooks
+        stay the trainer's."""
+        args = self.args
+        window_pairs = sum(len(mb) for mb in micro_batches)
+        hook_metrics: dict[str, list[float]] = {}
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for j, micro_batch in enumerate(micro_batches):
+            ctx = self.context(rollout_id, external, first_microbatch_id + j)
+            prepared = check_prepared(self.hooks.prepare(ctx, micro_batch), args.custom_prepare_train_batch_path)
+            if not self.sync_every_microbatch:
+                for module in self.models.trainable.values():
+                    window_sync(module, last_micro_batch=j == len(micro_batches) - 1)
+            if prepared.component not in ctx.models:
+                raise HookResultError(
+                    f"prepare hook {args.custom_prepare_train_batch_path} asked for component "
+                    f"{prepared.component!r}; this group trains {sorted(ctx.models)}"
+                )
+            model = ctx.models[prepared.component]
+            with compute_context(model, self.dtype, self.device):
+                new_pred = ctx.predict_velocity(model, prepared.latents, prepared.timestep, prepared.cond)
+                loss_sum = check_loss(
+                    self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics),
+                    args.custom_loss_function_path,
+                )
+            # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
+            (loss_sum / window_pairs).backward()
+            loss_total += loss_sum.detach().double()
+        metrics = {"loss": float(loss_total) / window_pairs}
+        for name, values in hook_metrics.items():
+            if values:
+                metrics[name] = sum(values) / len(values)
+        return self.apply_gradients(rollout_id, metrics)
+
+    def apply_gradients(self, rollout_id: int | str, metrics: dict[str, float]) -> dict[str, float]:
+        """Clip the accumulated gradients, then take the optimizer and LR steps and run the post-step hooks, or skip
+        all of them on a non-finite norm; zero the gradients. Returns ``metrics`` (``loss`` and the hooks' figures)
+        with ``grad_norm``, ``lr``, ``step`` and ``skipped_steps`` added.
+
+        Raises:
+            NonFiniteError: after ``--max-skipped-steps`` non-finite steps in a row.
+        """
+        grad_norm = self.clip_grad_norm()
+        self.gradient_bytes = sum(
+            local_bytes(p.grad) for p in self.models.trainable_parameters() if p.grad is not None
+        )
+        lr = self.models.scheduler.get_last_lr()[0]
+        metrics = {"loss": metrics["loss"], "grad_norm": grad_norm, "lr": lr, **metrics}
+        if math.isfinite(grad_norm):
+            self.models.optimizer.step()
+            self.models.scheduler.step()
+            for hook in self.post_step_hooks:
+                hook()
+            self.skipped_in_a_row = 0
+        else:
+            # The global norm is the same on every rank, so every rank skips: no weight, moment or LR step sees it.
+            self._skip_step(rollout_id, metrics)
+        self.models.optimizer.zero_grad(set_to_none=True)
+        metrics["step"] = self.models.scheduler.last_epoch
+        metrics["skipped_steps"] = self.skipped_total
+        return metrics
+
+    def _skip_step(self, rollout_id: int | str, metrics: dict[str, float]) -> None:
+        """A non-finite gradient norm: count the skipped step; after ``--max-skipped-steps`` in a row, stop the run
+        naming the first non-finite figure (the last committed checkpoint stays the resume point)."""
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        first_bad = next(
+            (f"{metric_key(self.role, name)}={value}" for name, value in metrics.items() if not math.isfinite(value)),
+            f"{metric_key(self.role, 'grad_norm')}={metrics['grad_norm']}",
+        )
+        if self.rank == 0:
+            logger.warning(
+                "%s group, rollout %d: non-finite gradient norm (%s); optimizer step skipped (%d in a row)",
+                self.role,
+                rollout_id,
+                first_bad,
+                self.skipped_in_a_row,
+            )
+        if self.max_skipped_steps and self.skipped_in_a_row >= self.max_skipped_steps:
+            raise NonFiniteError(
+                f"{self.role} group, rollout {rollout_id}: {self.skipped_in_a_row} optimizer steps in a row had a "
+                f"non-finite gradient norm (first non-finite figure {first_bad}); stopping so that no NaN reaches "
+                "the weights (--max-skipped-steps)"
+            )
+
+    def clip_grad_norm(self) -> float:
+        """Global L2 norm of the trainable parameters' gradients (before clipping); clips to ``--clip-grad`` > 0."""
+        params = [p for p in self.models.trainable_parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        # Sharded grads give a DTensor norm over this rank's shard; full_tensor() reduces it to the global norm.
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        if self.args.clip_grad and self.args.clip_grad > 0 and torch.isfinite(total_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total_norm, foreach=True)
+        return float(total_norm)
+
+    def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
+        """Run the train-output hook on this rank's pairs under no grad (its figures join the last step's)."""
+        ctx = self.context(rollout_id, external, 0)
+        ctx.metrics = self._output_metrics
+        try:
+            with torch.no_grad(), compute_context(self.models.denoiser, self.dtype, self.device):
+                return self.hooks.train_output(ctx, pairs)
+        finally:
+            self.models.reshard()
+
+    def reduce_metrics(self, step_metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Average each step's metrics over the DP ranks under their ``train/`` keys: one gather per rollout, the
+        result on rank 0 only (``[]`` elsewhere)."""
+        gathered = self.collectives.gather_objects(step_metrics)
+        if self.rank != 0:
+            return []
+        reduced = []
+        for steps in zip(*gathered):
+            names = sorted({name for rank_metrics in steps for name in rank_metrics})
+            row = {}
+            for name in names:
+                values = [rank_metrics[name] for rank_metrics in steps if name in rank_metrics]
+                row[metric_key(self.role, name)] = sum(values) / len(values)
+            reduced.append(row)
+        return reduced
+
+    # -- weights -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def inference(self):
+        """A no-grad use of the denoiser in the compute dtype, in eval mode; resharded (and back in train mode)
+        after: rollouts and evaluation on the student's own weights."""
+        denoiser = self.models.denoiser
+        denoiser.eval()
+        try:
+            with torch.no_grad(), compute_context(denoiser, self.dtype, self.device):
+                yield
+        finally:
+            denoiser.train()
+            self.models.reshard()
+
+    def eval_weights(self):
+        """The weights evaluation and export use: the EMA's with ``--ema-for-eval``, else the live ones."""
+        return self.models.ema.applied() if self.ema_for_eval else contextlib.nullcontext()
+
+    def check_finite_weights(self, what: str) -> None:
+        """Collective: refuse non-finite weights (every rank checks its shards; one all-reduce).
+
+        Raises:
+            NonFiniteWeightsError: naming ``what`` and up to three parameters.
+        """
+        names = []
+        for name, param in self.models.trainable.named_parameters():
+            local = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+            if not torch.isfinite(local).all():
+                names.append(name)
+        (bad,) = self.collectives.all_reduce_max([len(names)])
+        if bad:
+            shown = ", ".join(names[:3]) or "on another rank"
+            raise NonFiniteWeightsError(f"{what} has non-finite weights ({shown}); refusing to use them")
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, save_dir: str, rollout_id: int, data_state: Any = None) -> str:
+        """Collective: check the weights are finite, then checkpoint every ``Stateful`` of the model set after
+        ``rollout_id`` (:func:`miles.backends.fsdp_utils.checkpoint.save_checkpoint`). Returns the directory."""
+        with self.sleeper.awake():
+            self.check_finite_weights(f"the {self.role} group after rollout {rollout_id}")
+            path = checkpoint.save_checkpoint(
+                save_dir, rollout_id, self.models.states(), role=self.role, data_state=data_state
+            )
+        return str(path)
+
+    def load(self, load_dir: str, rollout_id: int) -> None:
+        """Collective: restore the model set from its checkpoint of ``rollout_id`` and check it is finite.
+
+        Raises:
+            RuntimeError: if the checkpoint is missing, corrupt, of another format or does not fit.
+            NonFiniteWeightsError: if it holds non-finite weights.
+        """
+        checkpoint.load_checkpoint(load_dir, rollout_id, self.models.states())
+        self.check_finite_weights(f"the {self.role} checkpoint of rollout {rollout_id} in {load_dir}")
+
+
+def group_trainer_class(args) -> type[GroupTrainer]:
+    """``--custom-trainer-path`` (a ``GroupTrainer`` subclass, e.g. one whose :meth:`~GroupTrainer.step` a method
+    rewrote), default ``GroupTrainer``.
+
+    Raises:
+        ValueError: naming the path, if it does not import or is not a ``GroupTrainer`` subclass.
+    """
+    path = args.custom_trainer_path
+    if not path:
+        return GroupTrainer
+    cls = load_function(path)
+    if not (isinstance(cls, type) and issubclass(cls, GroupTrainer)):
+        raise ValueError(f"--custom-trainer-path {path} is {cls!r}, not a subclass of {GroupTrainer.__qualname__}")
+    return cls

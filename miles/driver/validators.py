@@ -1,0 +1,247 @@
+"""The validators of ``train_diffusion.py``'s arguments, and the paths a command names.
+
+``parse_args`` (:mod:`miles.driver.arguments`) runs :func:`validate_args` after filling the defaults. Validators only
+reject: each rejection is one line naming the flags and the fix (``ArgumentValidationError``, exit code 2). Each
+method checks its own flags in its ``validate``; this module checks the generic ones, and that a method's flags are
+set only under its loss type.
+"""
+
+import argparse
+import os
+from typing import Any
+
+from miles.methods import METHODS, get_method
+from miles.utils.paths import check_export_target
+from miles.utils.validation import check_number, dp_size, flag, reject, rollout_pairs
+
+__all__ = [
+    "NUMBER_RULES",
+    "group_paths",
+    "method_flag_dests",
+    "run_paths",
+    "validate_args",
+    "validate_batch_args",
+    "validate_method_flags",
+    "validate_number_args",
+]
+
+
+def _method_flag_defaults() -> dict[str, dict[str, Any]]:
+    """``{loss type: {dest: default}}`` of the flags each method adds (its own argument group)."""
+    owned = {}
+    for name, method in METHODS.items():
+        probe = argparse.ArgumentParser(add_help=False)
+        method.add_arguments(probe)
+        owned[name] = {action.dest: action.default for action in probe._actions}
+    return owned
+
+
+def method_flag_dests() -> dict[str, set[str]]:
+    """``{loss type: the dests of the flags its method adds}``."""
+    return {name: set(defaults) for name, defaults in _method_flag_defaults().items()}
+
+
+def validate_batch_args(args: argparse.Namespace) -> None:
+    """Reject batch sizes that do not split exactly: nothing is ever dropped silently."""
+    for name, value in (
+        ("--num-rollout", args.num_rollout),
+        ("--rollout-batch-size", args.rollout_batch_size),
+    ):
+        if value is None or value < 1:
+            reject(f"{name} must be a positive integer, got {value}")
+    for name, value in (
+        ("--n-samples-per-prompt", args.n_samples_per_prompt),
+        ("--num-steps-per-rollout", args.num_steps_per_rollout),
+        ("--micro-batch-size", args.micro_batch_size),
+        ("--actor-num-nodes", args.actor_num_nodes),
+        ("--actor-num-gpus-per-node", args.actor_num_gpus_per_node),
+        ("--diffusion-num-steps", args.diffusion_num_steps),
+    ):
+        if value < 1:
+            reject(f"{name} must be >= 1, got {value}")
+    total = rollout_pairs(args)
+    if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
+        if total % args.num_steps_per_rollout == 0:
+            fix = f"set --global-batch-size to {total // args.num_steps_per_rollout} or change --num-steps-per-rollout"
+        else:
+            # No whole global batch exists, so suggesting one would be a fractional, unusable value.
+            fix = f"pick a --num-steps-per-rollout that divides {total}, or change --rollout-batch-size"
+        reject(
+            f"--rollout-batch-size x --n-samples-per-prompt ({args.rollout_batch_size} x {args.n_samples_per_prompt}"
+            f" = {total}) must equal --global-batch-size x --num-steps-per-rollout ({args.global_batch_size} x "
+            f"{args.num_steps_per_rollout}); {fix}"
+        )
+    if args.rollout_batch_size % dp_size(args):
+        reject(
+            f"--rollout-batch-size {args.rollout_batch_size} must be a multiple of the DP size {dp_size(args)} "
+            "(--actor-num-nodes x --actor-num-gpus-per-node): every rank generates an equal share of the prompts"
+        )
+    if args.rollout_num_gpus and dp_size(args) % args.rollout_num_gpus:
+        reject(
+            f"--rollout-num-gpus {args.rollout_num_gpus} must divide the DP size {dp_size(args)}: each engine "
+            "replica generates the shards of a run of DP ranks"
+        )
+    per_step = dp_size(args) * args.micro_batch_size
+    if args.global_batch_size % per_step != 0:
+        reject(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of DP size x --micro-batch-size "
+            f"({dp_size(args)} x {args.micro_batch_size} = {per_step}) so every rank runs the same micro-batches"
+        )
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Run every validator; raise ``ArgumentValidationError`` at the first rejection."""
+    if not args.hf_checkpoint:
+        reject("--hf-checkpoint is required (the student pipeline directory)")
+    if not args.prompt_data:
+        reject("--prompt-data is required (a JSONL file of prompts, with images for --train-only)")
+    if args.custom_expand_samples_to_train_pairs_path is None:
+        reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
+    validate_method_flags(args)
+    validate_batch_args(args)
+    if args.train_output_before_step is not None and not (
+        0 <= args.train_output_before_step < args.num_steps_per_rollout
+    ):
+        reject(
+            f"--train-output-before-step must be in [0, --num-steps-per-rollout {args.num_steps_per_rollout}), "
+            f"got {args.train_output_before_step}"
+        )
+    if args.diffusion_timesteps is not None:
+        t = args.diffusion_timesteps
+        if not t or any(not 0 < x <= 1000 for x in t) or any(b >= a for a, b in zip(t, t[1:])):
+            reject(f"--diffusion-timesteps must be strictly descending values in (0, 1000], got {t}")
+    if not 0 <= args.sft_uncond_prob < 1:
+        reject(f"--sft-uncond-prob must be in [0, 1), got {args.sft_uncond_prob}")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        reject("--save-interval needs --save and must be >= 1")
+    if args.overwrite_save and not args.save:
+        reject("--overwrite-save needs --save (the directory to start afresh in)")
+    if args.gpu_memory_gb is not None and not args.dry_run:
+        reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
+    if args.overwrite_save and args.load:
+        # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
+        from miles.utils.trainer_config import compute_trainer_args
+
+        groups = [
+            (config.role, compute_trainer_args(args, config)) for config in get_method(args).trainer_configs(args)
+        ]
+        loads = {os.path.realpath(group.load): role for role, group in groups if group.load}
+        for name, path in group_paths(args, ("save",)):
+            role = loads.get(os.path.realpath(path))
+            if role is not None:
+                reject(
+                    f"--overwrite-save would remove {name} {path}, the {role} group's checkpoints that --load "
+                    f"{args.load} resumes from; drop one of them"
+                )
+    if args.save_hf:
+        # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
+        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
+    validate_number_args(args)
+    get_method(args).validate(args)
+
+
+def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(flag, path)`` of the paths ``dests`` name over all trainer groups, each path once, the actor's first
+    where groups share one. A group's own value is labelled by the flag that set it: the critic's init is
+    ``--critic-load``, its save directory "the critic group's --save"."""
+    from miles.utils.trainer_config import compute_trainer_args
+
+    method_dests = method_flag_dests().get(args.loss_type, set())
+    configs = sorted(get_method(args).trainer_configs(args), key=lambda config: config.role != "actor")
+    paths, seen = [], set()
+    for config in configs:
+        group_args = compute_trainer_args(args, config)
+        for dest in dests:
+            value = getattr(group_args, dest, None)
+            if not value or os.path.realpath(value) in seen:
+                continue
+            seen.add(os.path.realpath(value))
+            if config.role == "actor" or getattr(args, dest, None) == value:
+                label = flag(dest)
+            else:
+                # The flag the user set it with: a generic one first (the critic's default init is --teacher-load),
+                # then the method's own (--critic-load).
+                candidates = [name for name in ("hf_checkpoint", "teacher_load", "load", "save")]
+                candidates += sorted(method_dests)
+                own = [name for name in candidates if getattr(args, name, None) == value]
+                label = flag(own[0]) if own else f"the {config.role} group's {flag(dest)}"
+            paths.append((label, value))
+    return paths
+
+
+def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
+    trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
+    method's ``--critic-load``)."""
+    from miles.utils.trainer_config import compute_trainer_args
+
+    paths = []
+    for config in get_method(args).trainer_configs(args):
+        group_args = compute_trainer_args(args, config)
+        for dest in ("hf_checkpoint", "teacher_load", "load", "save"):
+            value = getattr(group_args, dest, None)
+            if value:
+                paths.append(
+                    (flag(dest) if config.role == "actor" else f"the {config.role} group's {flag(dest)}", value)
+                )
+    if args.output_dir:
+        paths.append(("--output-dir", args.output_dir))
+    return paths
+
+
+def validate_method_flags(args: argparse.Namespace) -> None:
+    """A method's own flags are read only under its loss type: a value set for another one is rejected."""
+    for name, defaults in _method_flag_defaults().items():
+        if name == args.loss_type:
+            continue
+        for dest in sorted(defaults):
+            if getattr(args, dest, None) != defaults[dest]:
+                reject(
+                    f"--{dest.replace('_', '-')} is only read by --loss-type {name} (got --loss-type "
+                    f"{args.loss_type}); remove it"
+                )
+
+
+# Every generic numeric flag: dest -> check_number's bounds (None values, flags left unset, are skipped). Batch
+# sizes and counts are validate_batch_args'; each method checks its own flags in its validate().
+NUMBER_RULES: dict[str, dict] = {
+    "lr": {"low": 0},
+    "min_lr": {"low": 0},
+    "adam_beta1": {"low": 0, "high": 1, "high_open": True},
+    "adam_beta2": {"low": 0, "high": 1, "high_open": True},
+    "adam_eps": {"low": 0, "low_open": True},
+    "weight_decay": {"low": 0},
+    "clip_grad": {"low": 0},
+    "lr_warmup_steps": {"low": 0},
+    "max_skipped_steps": {"low": 1},
+    "ema_decay": {"low": 0, "high": 1, "low_open": True, "high_open": True, "hint": "(e.g. 0.99)"},
+    "fsdp_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
+    "diffusion_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
+    "diffusion_guidance_scale": {"low": 0, "hint": "(1 = no CFG)"},
+    "sft_uncond_prob": {"low": 0, "high": 1, "high_open": True},
+    "rollout_num_gpus": {"low": 0},
+    "num_cpus_per_rank": {"low": 1},
+    "gpu_memory_gb": {"low": 0, "low_open": True, "hint": "(e.g. 80)"},
+    "global_batch_size": {"low": 1},
+    "save_interval": {"low": 1},
+    "save_keep_last": {"low": 1},
+    "save_keep_every": {"low": 1},
+    "eval_interval": {"low": 1},
+    "eval_n_samples_per_prompt": {"low": 1},
+    "seed": {"low": 0},
+    "rollout_seed": {"low": 0},
+}
+
+
+def validate_number_args(args: argparse.Namespace) -> None:
+    """Reject numbers that no run can use: NaN or infinite values (argparse's ``float`` takes ``nan`` and ``inf``),
+    values outside their range (:data:`NUMBER_RULES`), ``--min-lr`` above ``--lr``, which would otherwise fail
+    inside a Ray worker, or silently train the wrong way (``--clip-grad nan`` turns clipping off)."""
+    for dest, bounds in NUMBER_RULES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            check_number(flag(dest), value, **bounds)
+    if args.min_lr > args.lr:
+        reject(f"--min-lr {args.min_lr} must be <= --lr {args.lr} (the cosine schedule decays from --lr to it)")
+    if args.save_keep_every is not None and args.save_keep_last is None:
+        reject("--save-keep-every only spares checkpoints that --save-keep-last would prune: add --save-keep-last")

@@ -1,0 +1,143 @@
+"""``RolloutGenerator``: one DP shard of prompts in, its train pairs out; the one copy of generation.
+
+Every process that generates uses it: each actor rank (on its own FSDP student, its collectives the group's) and
+each ``--rollout-num-gpus`` engine replica (on an unsharded copy of the student, ``LocalCollectives``). Per shard::
+
+    samples = data samples of the records          # --train-only: each record's image or latent, no sampling
+            | engine.generate(shard)               # else the student's few-step sampler (miles.rollout.engine)
+    pairs   = converter(args, samples)             # --custom-expand-samples-to-train-pairs-path, one per sample
+    every rank holds as many pairs as the others    # one all-reduce, before any other collective
+    pair.extras[name] = data sample of its record  # each side input the method declared (DMD2 GAN: "real")
+
+A sample's noise, stop step and side-input record depend only on the rollout, the seed and the sample's index, so a
+shard gives the same pairs on an actor rank and on a replica.
+"""
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from miles.models.base import read_scheduler_config
+from miles.rollout.conditioning import PromptConditioner
+from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
+from miles.utils.collectives import Collectives, check_equal_counts
+from miles.utils.misc import load_function
+from miles.utils.types import PromptShard, SideRecords, TrainPair
+from miles.utils.validation import HookResultError
+
+__all__ = ["RolloutGenerator"]
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutGenerator:
+    """Generates and converts the shards of one process.
+
+    Args:
+        args: the run's (or the actor group's) args: the engine's flags, ``train_only``, ``input_key``, the converter
+            path, the data keys.
+        family: the pipeline's model family.
+        denoiser: the student the engine samples with (an FSDP module on an actor rank, a plain one on a replica).
+        device: where the text encoder runs (for prompts without a cached cond).
+        collectives: the generating group's (``LocalCollectives`` for a process that generates alone).
+        group: the group's name in errors (``"actor"``).
+        inference: a context factory every sampling pass runs in (the actor's: eval mode, no grad, the compute
+            dtype, resharded after); default none.
+
+    Raises:
+        ValueError: on a converter path that does not import.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        family: Any,
+        denoiser: nn.Module,
+        *,
+        device: torch.device,
+        collectives: Collectives,
+        group: str = "actor",
+        inference: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.args, self.family, self.denoiser, self.device = args, family, denoiser, device
+        self.collectives, self.group, self.inference = collectives, group, inference
+        self.converter = load_function(args.custom_expand_samples_to_train_pairs_path)
+        self.latent_shape = family.latent_shape(args.hf_checkpoint)
+        self._engine: RolloutEngine | None = None
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine on the student (built on first use; its text encoder loads lazily)."""
+        if self._engine is None:
+            args = self.args
+            conditioner = PromptConditioner(args, self.family, args.hf_checkpoint, device=self.device)
+            self._engine = RolloutEngine(
+                args,
+                self.family,
+                self.denoiser,
+                conditioner,
+                self.latent_shape,
+                read_scheduler_config(args.hf_checkpoint)["num_train_timesteps"],
+            )
+        return self._engine
+
+    def generate(self, shard: PromptShard) -> list[TrainPair]:
+        """Collective: the shard's train pairs, in the shard's order (module docstring).
+
+        Raises:
+            HookResultError: naming the converter, when it returns something else than one pair per sample (on
+                this rank) or failed on another rank.
+            ValueError: when the ranks' pair counts differ, a side input does not hold one record per pair, or a
+                data record has no usable image or latent.
+        """
+        args = self.args
+        if args.train_only:
+            samples = data_samples(args, self.family, self.engine.conditioner, shard, self.latent_shape)
+        else:
+            with self.inference():
+                samples = self.engine.generate(shard, sync_last_step=self._largest_step)
+        path = args.custom_expand_samples_to_train_pairs_path
+        problem, pairs = None, []
+        try:
+            pairs = convert_samples(args, self.converter, samples)
+        except HookResultError as exc:
+            problem = exc
+        # Before any other collective: a rank whose converter failed would otherwise leave the others waiting.
+        check_equal_counts(self.collectives, len(pairs), f"converter {path}", self.group, problem)
+        for name, side in shard.side_data.items():
+            self._attach(shard, name, side, pairs)
+        return pairs
+
+    def _largest_step(self, step: int) -> int:
+        # Every rank of an FSDP group runs the same forwards: the largest last step of all ranks.
+        return self.collectives.all_reduce_max([step])[0]
+
+    def _attach(self, shard: PromptShard, name: str, side: SideRecords, pairs: list[TrainPair]) -> None:
+        """Give each pair, in order, the data sample of the side input's record at the same position (its clean
+        latent and prompt cond), as ``pair.extras[name]``: every micro-batch then holds as many side samples as
+        pairs."""
+        if len(pairs) != len(side.records):
+            raise ValueError(
+                f"{len(pairs)} train pairs but {len(side.records)} records of side input {name!r} in rollout "
+                f"{shard.rollout_id}; a side input pairs one record with each train pair"
+            )
+        records = PromptShard(
+            shard.rollout_id,
+            list(shard.sample_indices),
+            [str(record[self.args.input_key]) for record in side.records],
+            side.records,
+            side.base_dir,
+        )
+        samples = data_samples(self.args, self.family, self.engine.conditioner, records, self.latent_shape)
+        for pair, sample in zip(pairs, samples):
+            pair.extras[name] = sample
+
+    def sample(self, shard: PromptShard, num_steps: int | None = None, guidance_scale: float | None = None):
+        """Full-trajectory samples of the shard with the current weights (evaluation): float32 latents
+        ``(B, C, H, W)`` (:meth:`miles.rollout.engine.RolloutEngine.sample`)."""
+        with self.inference():
+            return self.engine.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
