@@ -110,10 +110,11 @@ class ModelFamily(Protocol):
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
 
-    def flow_shift(self, path: str | Path) -> float | None:
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float | None:
         """The flow shift k the family's stock pipeline samples pipeline ``path`` with at its sample size: a static
         scheduler's ``shift``, or ``e^mu`` where the pipeline computes a dynamic ``mu`` from the image token count
-        (the exponential time shift with ``mu`` is the static shift ``e^mu``, docs/families.md). The default of
+        (the exponential time shift with ``mu`` is the static shift ``e^mu``, docs/families.md), at ``num_steps``
+        steps where ``mu`` depends on them (FLUX.2; None: the stock call's default count). The default of
         ``--diffusion-flow-shift`` and ``--fsdp-flow-shift``. Default None: no family value (the flags keep 3.0).
 
         Raises:

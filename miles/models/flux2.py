@@ -166,16 +166,18 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         signature = {f"{what} ({key})": config.get(key) for key, what in COMPATIBLE_KEYS.items()}
         return {**super().compatibility_signature(path), **signature}
 
-    def flow_shift(self, path: str | Path) -> float:
-        """``e^mu`` with ``mu = compute_empirical_mu(tokens, 50)`` (diffusers' ``pipeline_flux2_klein``) at the
-        pipeline's sample size, tokens = ``(H/16)·(W/16)``; the scheduler config's ``shift`` where it is static."""
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float:
+        """``e^mu`` with ``mu = compute_empirical_mu(tokens, num_steps or 50)`` (diffusers' ``pipeline_flux2_klein``;
+        50 is the call's default) at the pipeline's sample size, tokens = ``(H/16)·(W/16)``; the scheduler config's
+        ``shift`` where it is static."""
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         if not config.get("use_dynamic_shifting", False):
             return float(config.get("shift", 1.0))
         _, height, width = self.latent_shape(path)
-        return math.exp(compute_empirical_mu(image_seq_len=height * width, num_steps=STOCK_NUM_STEPS))
+        steps = num_steps or STOCK_NUM_STEPS
+        return math.exp(compute_empirical_mu(image_seq_len=height * width, num_steps=steps))
 
     def max_guidance_scale(self, path: str | Path) -> float | None:
         """1 for a step-distilled checkpoint (``is_distilled`` in ``model_index.json``: the pipeline never runs CFG

@@ -176,8 +176,9 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         signature = {f"{what} ({key})": config.get(key) for key, what in COMPATIBLE_KEYS.items()}
         return {**super().compatibility_signature(path), **signature}
 
-    def flow_shift(self, path: str | Path) -> float:
-        """The scheduler's static shift: ``flow_shift`` (``UniPCMultistepScheduler``) or ``shift``."""
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float:
+        """The scheduler's static shift, whatever the step count: ``flow_shift`` (``UniPCMultistepScheduler``) or
+        ``shift``."""
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         return float(config.get("flow_shift", config.get("shift", 1.0)))
 

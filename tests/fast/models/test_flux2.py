@@ -90,6 +90,8 @@ def test_the_flow_shift_is_the_stock_pipelines_dynamic_shift_at_the_sample_size(
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 50, 50), mu=compute_empirical_mu(8, 50))
     torch.testing.assert_close(scheduler.sigmas, FlowNoiseSchedule(50, shift).sigmas.float(), rtol=0, atol=1e-6)
     assert 4.9 < shift < 5.0  # 8 tokens at 50 steps: mu ≈ 1.596
+    four = get_model_family(klein).flow_shift(klein, num_steps=4)  # the distilled klein's 4 steps: mu ≈ 1.88
+    assert four == pytest.approx(math.exp(compute_empirical_mu(8, 4)), rel=1e-12) and four > shift
 
 
 def test_preflight_refuses_teacher_cfg_for_a_step_distilled_klein(tmp_path, capsys):
