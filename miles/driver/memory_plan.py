@@ -305,13 +305,15 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
     method = get_method(args)
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     student = transformer_config(args.hf_checkpoint)
-    # Only the last two axes are spatial; a video family's latents carry frames before them.
-    height, width = family.latent_shape(args.hf_checkpoint)[-2:]
-    patch = int(student.get("patch_size", 1))
+    # The patch covers the last axes: (H, W) for an image DiT, (F, H, W) for Wan's (1, 2, 2); channels come first.
+    latent = family.latent_shape(args.hf_checkpoint)
+    patch = student.get("patch_size", 1)
+    patch = [int(p) for p in patch] if isinstance(patch, (list, tuple)) else [int(patch)] * 2
+    image_tokens = math.prod(size // p for size, p in zip(latent[-len(patch) :], patch))
     setting = PlanSetting(
         dp_size=dp_size(args),
         compute_dtype=resolve_dtype(args.train_dtype),
-        image_tokens=(height // patch) * (width // patch),
+        image_tokens=image_tokens,
         text_tokens=family.text_tokens(args.hf_checkpoint),
         gradient_checkpointing=args.gradient_checkpointing,
         reshard_every_microbatch=args.fsdp_reshard_every_microbatch,

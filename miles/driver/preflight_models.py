@@ -139,8 +139,8 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
 
 def check_guidance(args: argparse.Namespace) -> None:
     """Each pipeline can be guided as asked: ``--dmd2-teacher-guidance-scale`` (where the method has it) at most the
-    teacher's ``max_guidance_scale``, ``--diffusion-guidance-scale`` at most the student's (a FLUX.1-schnell
-    checkpoint takes no guidance).
+    teacher's ``ModelFamily.max_guidance_scale``, ``--diffusion-guidance-scale`` at most the student's (a
+    FLUX.1-schnell checkpoint takes no guidance; a step-distilled FLUX.2-klein runs no CFG).
 
     Raises:
         ArgumentValidationError: one line naming the flag, its value, the pipeline and its limit.
@@ -157,6 +157,6 @@ def check_guidance(args: argparse.Namespace) -> None:
         if limit is not None and scale > limit:
             reject(
                 f"{scale_flag} {scale:g} does not fit {path_flag} {path}: the {family.name} pipeline takes guidance "
-                f"up to {limit:g} (a FLUX.1-schnell-style transformer has no guidance input); set {scale_flag} "
-                f"{limit:g}"
+                f"up to {limit:g} (a guidance- or step-distilled checkpoint); set {scale_flag} {limit:g} or use "
+                "the undistilled base model"
             )

@@ -129,19 +129,23 @@ class ModelFamily(Protocol):
         """
         return None
 
-    def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
-        """The scheduler config a ``--save-hf`` export of a family with ``stock_scheduler`` writes, so that the
-        family's stock diffusers pipeline samples the student's schedule.
+    def max_guidance_scale(self, path: str | Path) -> float | None:
+        """The largest guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it) pipeline ``path`` can take;
+        1 for a checkpoint that runs no guidance (a step-distilled FLUX.2-klein). Preflight rejects a larger scale
+        with exit 2. Default None: no limit."""
+        return None
+
+    def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
+        """The scheduler config a ``--save-hf`` export writes (families with ``stock_scheduler``) so that the
+        family's stock diffusers pipeline samples the student's schedule; None where no stock config can (the
+        export then keeps its scheduler, records the schedule in ``_miles_*`` keys and warns).
 
         Args:
-            schedule: ``{"num_steps": S, "shift": k, "step_rule": "dmd2" | "euler", "num_train_timesteps": 1000,
-                "timesteps": [t, ...] | None}``, the keywords of
+            schedule: ``{"num_steps", "shift", "step_rule", "num_train_timesteps", "timesteps"}``, the keywords of
                 :func:`miles.models.sampling_schedule.stock_scheduler_config`.
 
-        Returns:
-            a diffusers scheduler config (``_class_name`` and the init arguments). Default: that function's config,
-            which pipelines that call ``scheduler.set_timesteps(S)`` (``StableDiffusion3Pipeline``) sample on the
-            student's grid.
+        Default: that function's config, which ``StableDiffusion3Pipeline`` (it calls ``set_timesteps(S, mu=...)``)
+        samples on the student's grid.
 
         Raises:
             ValueError: on an unknown step rule or a grid miles' sampler rejects.
@@ -155,13 +159,6 @@ class ModelFamily(Protocol):
         generic ones: ``{"num_inference_steps": S}`` or ``{"sigmas": [σ, ...]}``, and ``"guidance_scale": w`` (the
         student's own guidance, 1 for DMD2). Default: unchanged (``StableDiffusion3Pipeline`` takes these names)."""
         return dict(kwargs)
-
-    def max_guidance_scale(self, path: str | Path) -> float | None:
-        """The largest guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it; 1 = no guidance) the denoiser
-        of pipeline ``path`` can be run at: 1 for a checkpoint without CFG or a guidance input (FLUX.1-schnell).
-        Preflight rejects a ``--dmd2-teacher-guidance-scale`` above the teacher's and a ``--diffusion-guidance-scale``
-        above the student's. Default: None, no limit."""
-        return None
 
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,

@@ -30,7 +30,14 @@ __all__ = [
 ]
 
 # Imported on the first look-up; each registers its families.
-BUILTIN_FAMILY_MODULES = ("miles.models.sd3", "miles.models.digits", "miles.models.qwen_image", "miles.models.flux")
+BUILTIN_FAMILY_MODULES = (
+    "miles.models.sd3",
+    "miles.models.digits",
+    "miles.models.qwen_image",
+    "miles.models.flux",
+    "miles.models.flux2",
+    "miles.models.wan",
+)
 
 _FAMILIES: dict[str, type] = {}
 

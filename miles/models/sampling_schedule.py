@@ -68,6 +68,7 @@ __all__ = [
     "sigmas_call_scheduler_config",
     "stock_sampling_kwargs",
     "stock_scheduler_config",
+    "terminal_scheduler_config",
     "write_sampling_schedule",
 ]
 
@@ -78,6 +79,8 @@ TEACHER_STEP_RULE = "euler"
 # scheduler_config.json keys of the student's schedule (private: "_" keeps diffusers quiet and preserves them)
 SCHEDULE_KEYS = {
     "num_steps": "_miles_num_inference_steps",
+    # the student's k: a stock config may need another "shift" to build its grid (Wan's m, the module docstring)
+    "shift": "_miles_flow_shift",
     "step_rule": "_miles_step_rule",
     "timesteps": "_miles_timesteps",
     "guidance_scale": "_miles_guidance_scale",
@@ -116,7 +119,7 @@ def stock_scheduler_config(
 
     The class is ``STOCK_SCHEDULERS[step_rule]``; the grid settings are derived in this module's docstring. The
     config is what ``save_pretrained`` writes (``_class_name``, ``_diffusers_version`` and every init argument),
-    without the ``_miles_*`` keys.
+    without the ``_miles_*`` keys. Logs a warning if the installed diffusers builds another grid from it.
 
     Args:
         num_steps: the student's step count S ≥ 1 (ignored when ``timesteps`` is given).
@@ -168,50 +171,90 @@ def sigmas_call_scheduler_config(
     num_train_timesteps: int = 1000,
     timesteps: list[float] | None = None,
 ) -> dict[str, Any]:
-    """The scheduler config that samples the student's schedule with a stock pipeline that passes
-    ``sigmas=linspace(1, 1/S, S)`` to ``set_timesteps`` itself (``QwenImagePipeline``, ``FluxPipeline``,
-    ``Flux2KleinPipeline``): ``STOCK_SCHEDULERS[step_rule]`` with the static ``shift`` k, no dynamic shifting and no
-    terminal stretch, so the scheduler maps the pipeline's spacing to ``f_k(linspace(1, 1/S, S))``, miles' grid
-    (this module's docstring). With explicit timesteps ``shift`` is 1 and the call passes ``sigmas=``.
+    """The stock scheduler config for a pipeline that passes ``sigmas = linspace(1, 1/S, S)`` (and a ``mu``) to
+    ``set_timesteps`` itself: ``QwenImagePipeline``, ``FluxPipeline``, ``Flux2KleinPipeline`` (docs/families.md,
+    "Exporting a student to the stock pipelines").
 
-    Args and errors: as :func:`stock_scheduler_config`.
+    A static ``shift`` = k maps that spacing to miles' ``f_k(linspace(1, 1/S, S))`` exactly (the pipeline's ``mu``
+    is ignored without ``use_dynamic_shifting``); explicit timesteps use ``shift`` 1, the call passing
+    ``sigmas=[t / 1000, ...]`` (:func:`stock_sampling_kwargs`). Arguments and errors as
+    :func:`stock_scheduler_config`. Logs a warning if the installed diffusers builds another grid.
     """
     if step_rule not in STOCK_SCHEDULERS:
         raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
-    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)  # validates
+    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)
     cls = _scheduler_class(STOCK_SCHEDULERS[step_rule])
-    static = 1.0 if timesteps is not None else float(shift)
-    config = json.loads(cls(num_train_timesteps=num_train_timesteps, shift=static).to_json_string())
-    if timesteps is None:
-        _warn_unless_grid(config, schedule, sigmas=[1.0 - i / num_steps for i in range(num_steps)])
+    config = _check_config(
+        cls, {"num_train_timesteps": num_train_timesteps, "shift": 1.0 if timesteps is not None else float(shift)}
+    )
+    import numpy as np
+
+    sigmas = schedule.sigmas[:-1].tolist() if timesteps is not None else np.linspace(1.0, 1 / num_steps, num_steps)
+    _warn_unless_grid(config, schedule, sigmas=sigmas, mu=0.5)
     return config
 
 
-def _warn_unless_grid(config: dict, schedule: FlowNoiseSchedule, **set_timesteps) -> None:
-    if not _stock_grid_matches(config, schedule, **set_timesteps):
-        logger.warning(
-            "the installed diffusers builds another grid than %s from the %s config; sample the export with miles",
-            schedule,
-            config["_class_name"],
-        )
+def terminal_scheduler_config(
+    *,
+    num_steps: int,
+    shift: float,
+    step_rule: str,
+    num_train_timesteps: int = 1000,
+    timesteps: list[float] | None = None,
+) -> dict[str, Any] | None:
+    """The stock scheduler config for a pipeline that calls ``set_timesteps(S)`` with neither ``sigmas`` nor ``mu``
+    (``WanPipeline``), or None for explicit timesteps, which such a call cannot take.
+
+    A static scheduler spaces ``u = linspace(1, f_m(δ), S)`` (δ = 1 / ``num_train_timesteps``, its σ_min is the
+    shifted end of its training grid), maps it by ``f_m`` and, with ``shift_terminal``, stretches ``1 − σ`` so the
+    last σ is that value. With ``shift_terminal = f_k(1/S)`` it builds miles' ``f_k(linspace(1, 1/S, S))`` when m
+    is the smaller root of ``δ·m² + (1 − δ)(1 − R)·m + R(1 − δ) = 0``, ``R = S·k / ((S − 1)(k − 1))`` (m = 1 for
+    k = 1 or S = 1; derivation in docs/families.md, Wan). Logs a warning if the installed diffusers builds another
+    grid. Arguments and errors as :func:`stock_scheduler_config`.
+    """
+    if step_rule not in STOCK_SCHEDULERS:
+        raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
+    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)
+    if timesteps is not None:
+        return None
+    cls = _scheduler_class(STOCK_SCHEDULERS[step_rule])
+    kwargs: dict[str, Any] = {"num_train_timesteps": num_train_timesteps, "shift": 1.0}
+    if num_steps > 1:
+        delta = 1.0 / num_train_timesteps
+        if shift != 1.0:
+            r = num_steps * shift / ((num_steps - 1) * (shift - 1.0))
+            b = (1.0 - delta) * (1.0 - r)
+            c = r * (1.0 - delta)
+            kwargs["shift"] = (-b - math.sqrt(b * b - 4.0 * delta * c)) / (2.0 * delta)
+        kwargs["shift_terminal"] = float(schedule.sigmas[-2])  # the student's last σ
+    config = _check_config(cls, kwargs)
+    _warn_unless_grid(config, schedule)
+    return config
 
 
-def _stock_grid_matches(config: dict, schedule: FlowNoiseSchedule, **set_timesteps) -> bool:
-    """Whether ``config``'s scheduler builds ``schedule``'s σ (float32, to 1 ulp) and timesteps (to 1e-4) when the
-    pipeline calls ``set_timesteps(S, **set_timesteps)`` (SD3: ``mu``; the pipelines that pass the σ: ``sigmas``)."""
+def _warn_unless_grid(config: dict, schedule: FlowNoiseSchedule, **call) -> None:
+    """Log a warning unless ``set_timesteps(S, **call)`` of ``config``'s scheduler builds ``schedule``'s σ (float32,
+    to 1 ulp)."""
     import torch
 
     scheduler = _scheduler_class(config["_class_name"]).from_config(config)
-    if "sigmas" in set_timesteps:
-        scheduler.set_timesteps(**set_timesteps)
+    if "sigmas" in call:
+        scheduler.set_timesteps(**call)
     else:
-        scheduler.set_timesteps(schedule.num_steps, **set_timesteps)
-    sigmas, timesteps = schedule.sigmas.float(), schedule.timesteps.float()
-    return (
-        scheduler.sigmas.shape == sigmas.shape
-        and torch.allclose(scheduler.sigmas, sigmas, rtol=0, atol=1e-7)
-        and torch.allclose(scheduler.timesteps, timesteps, rtol=0, atol=1e-4)
-    )
+        scheduler.set_timesteps(schedule.num_steps, **call)
+    sigmas = schedule.sigmas.float()
+    if scheduler.sigmas.shape != sigmas.shape or not torch.allclose(scheduler.sigmas, sigmas, rtol=0, atol=1e-7):
+        logger.warning(
+            "the installed diffusers builds the grid %s from %s instead of %s; sample the export with miles",
+            scheduler.sigmas.tolist(),
+            config["_class_name"],
+            schedule,
+        )
+
+
+def _check_config(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` as the full config ``save_pretrained`` would write for ``cls``."""
+    return json.loads(cls(**kwargs).to_json_string())
 
 
 def read_sampling_schedule(config: dict) -> dict:
@@ -229,7 +272,7 @@ def read_sampling_schedule(config: dict) -> dict:
     return {
         "num_inference_steps": int(config.get(SCHEDULE_KEYS["num_steps"], TEACHER_NUM_STEPS)),
         "step_rule": str(config.get(SCHEDULE_KEYS["step_rule"], TEACHER_STEP_RULE)),
-        "shift": float(config.get("shift", 1.0)),
+        "shift": float(config.get(SCHEDULE_KEYS["shift"], config.get("shift", 1.0))),
         "timesteps": None if timesteps is None else [float(t) for t in timesteps],
         "num_train_timesteps": int(config.get("num_train_timesteps", 1000)),
         "guidance_scale": float(config.get(SCHEDULE_KEYS["guidance_scale"], 1.0)),
@@ -248,7 +291,7 @@ def write_sampling_schedule(
     guidance_scale: float = 1.0,
     distilled_guidance_scale: float | None = None,
     stock_scheduler: bool = False,
-    stock_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    stock_config: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> dict:
     """Record the student's step schedule in ``<pipeline_dir>/scheduler/scheduler_config.json``.
 
@@ -257,11 +300,13 @@ def write_sampling_schedule(
     ``--diffusion-step-rule``, ``--diffusion-timesteps``, ``--diffusion-guidance-scale``, (DMD2)
     ``--dmd2-teacher-guidance-scale`` and the family's ``stock_scheduler``.
 
-    With ``stock_scheduler`` the scheduler itself is replaced: the config becomes
-    ``stock_config``'s (the family's ``ModelFamily.stock_scheduler_config``; :func:`stock_scheduler_config`'s by
-    default; plus the ``_miles_*`` keys, and ``shift`` as that config sets it) and
-    ``model_index.json``'s ``scheduler`` entry names its class, so that stock diffusers samples the student's rule
-    on the student's grid (call kwargs: :func:`stock_sampling_kwargs`).
+    With ``stock_scheduler`` the scheduler itself is replaced: the config becomes ``stock_config``'s (the family's
+    :meth:`~miles.models.base.ModelFamily.stock_scheduler_config`; default :func:`stock_scheduler_config`, made for
+    ``StableDiffusion3Pipeline``) plus the ``_miles_*`` keys, and ``model_index.json``'s ``scheduler`` entry names
+    its class, so that stock diffusers samples the student's rule on the student's grid (call kwargs:
+    :func:`stock_sampling_kwargs`); a pipeline config with an ``is_distilled`` flag (``Flux2KleinPipeline``) gets
+    it set when the student samples without CFG, so the stock call never runs CFG on it. When ``stock_config``
+    returns None (no stock config samples this schedule) the scheduler is kept and a warning logged.
 
     Args:
         pipeline_dir: a digits (or SD3) pipeline directory with a ``scheduler/`` folder.
@@ -274,8 +319,8 @@ def write_sampling_schedule(
         distilled_guidance_scale: the teacher's CFG scale the student was distilled from (reported beside the
             teacher's figures at that scale); None when unknown.
         stock_scheduler: also write the stock diffusers scheduler of the schedule (see above).
-        stock_config: ``stock_config(schedule) -> config``, ``schedule`` = ``{"num_steps", "shift", "step_rule",
-            "num_train_timesteps", "timesteps"}``; None: :func:`stock_scheduler_config` (``StableDiffusion3Pipeline``).
+        stock_config: ``stock_config(schedule) -> config | None`` with ``schedule`` = ``{"num_steps", "shift",
+            "step_rule", "timesteps", "num_train_timesteps"}``; None: :func:`stock_scheduler_config`.
 
     Returns:
         the schedule as :func:`read_sampling_schedule` reads it back.
@@ -294,19 +339,29 @@ def write_sampling_schedule(
     if schedule.num_steps != num_steps:
         raise ValueError(f"got {schedule.num_steps} explicit timesteps for num_steps={num_steps}; pass one per step")
     config["shift"] = float(shift)
+    stock = None
     if stock_scheduler:
-        # Start from the stock class's own config: the old class's keys (Euler's stochastic_sampling) would make
-        # every load warn. Private keys (ours and others') are kept.
-        grid = {
+        arguments = {
             "num_steps": num_steps,
             "shift": shift,
             "step_rule": step_rule,
             "num_train_timesteps": num_train_timesteps,
             "timesteps": timesteps,
         }
-        stock = stock_config(grid) if stock_config is not None else stock_scheduler_config(**grid)
+        stock = stock_scheduler_config(**arguments) if stock_config is None else stock_config(arguments)
+        if stock is None:
+            logger.warning(
+                "no stock diffusers scheduler of this family samples %s: %s keeps its scheduler and records the "
+                "schedule in _miles_* keys only; sample the export with miles",
+                schedule,
+                path,
+            )
+    if stock is not None:
+        # Start from the stock class's own config: the old class's keys (Euler's stochastic_sampling) would make
+        # every load warn. Private keys (ours and others') are kept.
         private = {key: value for key, value in config.items() if key.startswith("_") and key not in stock}
         config = {**stock, **private}
+    config[SCHEDULE_KEYS["shift"]] = float(shift)
     config[SCHEDULE_KEYS["num_steps"]] = int(num_steps)
     config[SCHEDULE_KEYS["step_rule"]] = step_rule
     config[SCHEDULE_KEYS["timesteps"]] = None if timesteps is None else [float(t) for t in timesteps]
@@ -315,13 +370,14 @@ def write_sampling_schedule(
         None if distilled_guidance_scale is None else float(distilled_guidance_scale)
     )
     _replace_json(path, config)
-    if stock_scheduler:
+    if stock is not None:
         index_path = Path(pipeline_dir) / "model_index.json"
         model_index = read_json(index_path, "pipeline model_index.json")
-        entry = ["diffusers", config["_class_name"]]
-        if model_index.get("scheduler") != entry:
-            model_index["scheduler"] = entry
-            _replace_json(index_path, model_index)
+        updated = {**model_index, "scheduler": ["diffusers", config["_class_name"]]}
+        if "is_distilled" in model_index and guidance_scale == 1.0:
+            updated["is_distilled"] = True
+        if updated != model_index:
+            _replace_json(index_path, updated)
     logger.debug("wrote sampling schedule to %s: %s, rule %s", path, schedule, step_rule)
     return read_sampling_schedule(config)
 

@@ -107,7 +107,16 @@ class ParameterEMA:
         shadows = {}
         for name, param, shadow in zip(self.names, self._params(), self._ema.shadow_params):
             if isinstance(param, DTensor):
-                shadow = DTensor.from_local(shadow, param.device_mesh, param.placements, run_check=False)
+                # the global shape given: a dim 0 smaller than the world (Wan's (1, 2, D) scale_shift_table) shards
+                # unevenly, and from_local would infer another shape on each rank
+                shadow = DTensor.from_local(
+                    shadow,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
             shadows[name] = shadow
         return {"num_updates": self.num_updates, "shadow": shadows}
 
