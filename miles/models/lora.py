@@ -148,8 +148,8 @@ def linear_suffixes(model: nn.Module) -> list[str]:
 
 
 class AdaptersDisabled(nn.Module):
-    """The base of a LoRA model, seen as a model of its own: every forward runs with the adapters disabled
-    (``disable_adapters`` / ``enable_adapters`` of diffusers' adapter API) and in eval mode.
+    """The base of a LoRA model, seen as a model of its own: every forward runs with the adapters disabled (peft's
+    ``disable_adapters`` state of each LoRA layer, restored after) and in eval mode.
 
     The DMD2 critic group's teacher when the critic is a LoRA on the teacher's weights (the field's "one frozen base":
     verl-omni's DMD2 runtime, vvvvvjdy/dmdr): the group holds one copy of the weights. The wrapped model is not a
@@ -165,14 +165,23 @@ class AdaptersDisabled(nn.Module):
         return self.lora_model.parameters(recurse)
 
     def forward(self, *args, **kwargs):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         model = self.lora_model
         was_training = model.training
+        layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+        # peft's flag, not diffusers' disable_adapters / enable_adapters: those also set requires_grad on the
+        # adapter, and under FSDP2 that lands on the gathered parameters while the sharded ones the optimizer holds
+        # stay frozen (the critic's next step then had no gradient).
+        states = [layer._disable_adapters for layer in layers]
         model.eval()
-        model.disable_adapters()
+        for layer in layers:
+            layer._disable_adapters = True
         try:
             return model(*args, **kwargs)
         finally:
-            model.enable_adapters()
+            for layer, state in zip(layers, states):
+                layer._disable_adapters = state
             model.train(was_training)
 
 

@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from miles.backends.fsdp_utils.converters import LoraAdapter, build_converters
 from miles.backends.fsdp_utils.export import LORA_DIR, write_pipeline
-from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, shard_model
+from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
 from miles.backends.fsdp_utils.model_set import build_model_set, local_bytes
 from miles.backends.fsdp_utils.trainer import GroupTrainer
 from miles.models import get_model_family
@@ -104,13 +104,19 @@ class _Bound(torch.nn.Module):
 
 
 def test_the_base_with_adapters_disabled_is_the_frozen_teacher_bit_for_bit(pipeline, family):
-    lora = _lora_model(family, pipeline)
     teacher = load_frozen_denoiser(family, str(pipeline), None, CPU, torch.float32)
-    base = AdaptersDisabled(lora)
-    with torch.no_grad():
-        expected = denoiser_loss(family, teacher, seed=7)
-        assert torch.equal(denoiser_loss(family, base, seed=7), expected)
-        assert not torch.equal(denoiser_loss(family, lora, seed=7), expected)  # the adapter is on again after it
+    with single_process_group() as mesh:
+        lora = _lora_model(family, pipeline)
+        shard_model(lora, [], mesh, torch.float32, reshard_after_forward=False)  # as a multi-rank critic is
+        base = AdaptersDisabled(lora)
+        with torch.no_grad():
+            expected = denoiser_loss(family, teacher, seed=7)
+            assert torch.equal(denoiser_loss(family, base, seed=7), expected)
+            assert not torch.equal(denoiser_loss(family, lora, seed=7), expected)  # the adapter is on again after it
+        reshard(lora)
+        # The critic's next step still trains its (sharded) adapter: the teacher's pass left requires_grad alone.
+        denoiser_loss(family, lora, seed=8).backward()
+        assert all(param.grad is not None for _, param in adapter_parameters(lora, ADAPTER_NAME))
     assert lora.training and not list(base.state_dict())  # no second copy of the weights
 
 
