@@ -3,10 +3,11 @@
     python benchmarks/digits_eval.py --teacher outputs/digits/teacher \\
         --student student-4step-cfg3=outputs/digits/student-4step-cfg3 \\
         --student student-1step-cfg3=outputs/digits/student-1step-cfg3 \\
-        --guidance-scale 3 --n-per-class 50 --seed 0 --out outputs/digits/eval
+        --guidance-scale 3 --n-per-class 50 --seeds 0 1 2 3 --out outputs/digits/eval
 
 Rows: the teacher at ``--teacher-steps`` Euler steps (28 4 1) with CFG ``--guidance-scale``; each student at its
 exported schedule (plus ``--student-steps`` extra step counts); the real-digits baseline at the same sample count.
+With several ``--seeds`` every row is the mean ± standard deviation over them.
 Writes ``summary.md``, ``summary.json`` and one PNG grid per row into ``--out`` (see ``miles.eval.digits.hook``).
 """
 
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--guidance-scale", type=float, required=True, help="The teacher's CFG scale.")
     parser.add_argument("--n-per-class", type=int, default=50, help="Samples per digit (10x this per row).")
-    parser.add_argument("--seed", type=int, default=0, help="Noise seed of every row.")
+    parser.add_argument("--seed", type=int, default=0, help="Noise seed of every row (one seed).")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="Several noise seeds: each row is their mean ± std."
+    )
     parser.add_argument("--out", required=True, help="Output directory: summary.md, summary.json, grids.")
     parser.add_argument("--teacher-steps", type=int, nargs="+", default=list(TEACHER_STEPS))
     parser.add_argument(
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         guidance_scale=args.guidance_scale,
         n_per_class=args.n_per_class,
         seed=args.seed,
+        seeds=args.seeds,
         teacher_steps=args.teacher_steps,
         student_steps=[None, *args.student_steps],
         cache_dir=args.cache_dir,

@@ -214,6 +214,18 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
         help="Keep an EMA of the student's weights with this decay (e.g. 0.99; diffusers' EMAModel warm-up).",
     )
     group.add_argument(
+        "--ema-min-decay",
+        type=float,
+        default=0.0,
+        help="Floor of the EMA's warm-up decay (diffusers' EMAModel min_decay); = --ema-decay turns the warm-up off.",
+    )
+    group.add_argument(
+        "--ema-update-after-step",
+        type=int,
+        default=0,
+        help="The EMA copies the live weights until this optimizer step, then averages (diffusers' update_after_step).",
+    )
+    group.add_argument(
         "--ema-for-eval",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -57,7 +57,8 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | 
     in order; it is logged as wandb media with ``--use-wandb``.
 
     With ``groups`` (the trainer groups), the method's own eval images are drawn too (``Method.eval_media``: DMD2's
-    debug grid) and logged as media beside the samples.
+    debug grid) and logged as media beside the samples, and its own figures (``Method.eval_metrics``: DMD2's
+    discriminator quality) beside the hook's.
 
     Args:
         sampler: the actor group or the engine group (anything with ``evaluate(shard) -> uint8 (B, H, W, C)``).
@@ -85,6 +86,8 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | 
     if groups is not None:
         from miles.methods import get_method
 
-        media.update(get_method(args).eval_media(args, groups, records, rollout_id))
+        method = get_method(args)
+        media.update(method.eval_media(args, groups, records, rollout_id))
+        metrics.update({f"eval/{key}": value for key, value in method.eval_metrics(args, groups, rollout_id).items()})
     tracker.log(metrics, rollout_id, images=media)
     return metrics

@@ -198,8 +198,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
         _check_inline_images(args, records)
     if args.eval_interval and args.eval_prompt_data:
         _check_records("--eval-prompt-data", args.eval_prompt_data, args.input_key)
-    for side in get_method(args).side_inputs(args):
+    side_inputs = get_method(args).side_inputs(args)
+    for side in side_inputs:
         _check_real_data(args, side.flag, side.path)
+    # The GAN's held-out reals, read at evaluations only (not a side input: no record per sample).
+    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)
+    if side_inputs and args.eval_interval and eval_real_data:
+        _check_real_data(args, "--dmd2-gan-eval-real-data", eval_real_data)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     preflight_outputs.check_writable(args)

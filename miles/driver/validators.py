@@ -240,6 +240,8 @@ NUMBER_RULES: dict[str, dict] = {
     "lr_warmup_steps": {"low": 0},
     "max_skipped_steps": {"low": 1},
     "ema_decay": {"low": 0, "high": 1, "low_open": True, "high_open": True, "hint": "(e.g. 0.99)"},
+    "ema_min_decay": {"low": 0, "high": 1, "high_open": True},
+    "ema_update_after_step": {"low": 0},
     "fsdp_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
     "diffusion_flow_shift": {"low": 0, "low_open": True, "hint": "(e.g. 3.0)"},
     "diffusion_guidance_scale": {"low": 0, "hint": "(1 = no CFG)"},
@@ -268,5 +270,9 @@ def validate_number_args(args: argparse.Namespace) -> None:
             check_number(flag(dest), value, **bounds)
     if args.min_lr > args.lr:
         reject(f"--min-lr {args.min_lr} must be <= --lr {args.lr} (the cosine schedule decays from --lr to it)")
+    if args.ema_decay is None and (args.ema_min_decay != 0.0 or args.ema_update_after_step != 0):
+        reject("--ema-min-decay and --ema-update-after-step shape the EMA's warm-up: add --ema-decay")
+    if args.ema_decay is not None and args.ema_min_decay > args.ema_decay:
+        reject(f"--ema-min-decay {args.ema_min_decay} must be <= --ema-decay {args.ema_decay} (the warm-up's floor)")
     if args.save_keep_every is not None and args.save_keep_last is None:
         reject("--save-keep-every only spares checkpoints that --save-keep-last would prune: add --save-keep-last")

@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SUMMARY_COLUMNS", "WANDB_SCALARS", "format_summary_table", "write_summary", "log_to_wandb"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "WANDB_SCALARS",
+    "aggregate_seeds",
+    "format_summary_table",
+    "write_summary",
+    "log_to_wandb",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +36,7 @@ SUMMARY_COLUMNS: list[Column] = [
     ("steps", "steps", str),
     ("CFG", "guidance_scale", lambda v: f"{float(v):g}"),
     ("n", "n_samples", str),
-    ("seed", "seed", str),
+    ("seed", "seed", lambda v: ",".join(str(seed) for seed in v) if isinstance(v, list | tuple) else str(v)),
     ("accuracy", "accuracy", lambda v: f"{100 * float(v):.1f}%"),
     ("FD ↓", "fd", lambda v: f"{float(v):.3f}"),
     ("precision", "precision", lambda v: f"{float(v):.3f}"),
@@ -56,8 +63,41 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def aggregate_seeds(rows: Sequence[dict], keys: Sequence[str] = WANDB_SCALARS) -> dict:
+    """One result from the same evaluation repeated at several sample seeds.
+
+    Each figure in ``keys`` becomes the mean over the rows (NaN when a row lacks it or holds None) and
+    ``<key>_std`` its sample standard deviation (``ddof = 1``; NaN for a single row); ``seed`` becomes the list of
+    the rows' seeds, ``per_seed`` holds the rows themselves, and every other field is the first row's (``n_samples``
+    therefore stays the count of one seed).
+
+    Args:
+        rows: result dicts of one configuration, one per seed (at least one).
+        keys: the figures to average.
+
+    Raises:
+        ValueError: for no rows, or rows of different names.
+    """
+    if not rows:
+        raise ValueError("aggregate_seeds needs at least one row")
+    names = {row.get("name") for row in rows}
+    if len(names) != 1:
+        raise ValueError(f"aggregate_seeds averages one configuration's rows, got names {sorted(map(str, names))}")
+    result = dict(rows[0])
+    for key in keys:
+        values = np.array([np.nan if row.get(key) is None else float(row[key]) for row in rows], dtype=np.float64)
+        result[key] = float(values.mean())
+        result[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else float("nan")
+    result["seed"] = [row.get("seed") for row in rows]
+    result["per_seed"] = list(rows)
+    return result
+
+
 def format_summary_table(results: list[dict], columns: Sequence[Column] = SUMMARY_COLUMNS) -> str:
     """The results as a GitHub markdown table, one row per result.
+
+    A figure with a finite ``<key>_std`` beside it (an :func:`aggregate_seeds` row) renders as ``mean ± std``, both
+    through the column's formatter.
 
     Args:
         results: result dicts; a key that is missing or None renders as "–".
@@ -70,7 +110,13 @@ def format_summary_table(results: list[dict], columns: Sequence[Column] = SUMMAR
         cells = []
         for _, key, fmt in columns:
             value = result.get(key)
-            cells.append("–" if value is None else fmt(value))
+            std = result.get(f"{key}_std")
+            if value is None:
+                cells.append("–")
+            elif std is not None and math.isfinite(std):
+                cells.append(f"{fmt(value)} ± {fmt(std)}")
+            else:
+                cells.append(fmt(value))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join([header, rule, *rows])
 

@@ -104,6 +104,11 @@ class Method:
         """Extra images this method draws at each evaluation, ``{wandb key: PNG path}`` (DMD2: its debug grid)."""
         return {}
 
+    def eval_metrics(self, args: argparse.Namespace, groups: dict, rollout_id: int) -> dict[str, float]:
+        """Extra figures this method measures at each evaluation, logged as ``eval/<name>`` (DMD2: its
+        discriminator's quality on held-out reals)."""
+        return {}
+
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """The ``write_sampling_schedule`` keyword arguments an export records, given the engine's schedule; None
         keeps the source pipeline's scheduler as it is."""

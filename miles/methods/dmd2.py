@@ -25,14 +25,13 @@ their flags do not exist.
 """
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
-from miles.backends.fsdp_utils.loss_hub import gan
+from miles.backends.fsdp_utils.loss_hub import gan, scoring_sigma
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
@@ -202,12 +201,45 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
             reject(f"--dmd2-gan-feature-blocks holds {block}; block indices are >= 0")
     if args.dmd2_gan_real_data and not gan_enabled(args):
         reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
-    check_lora_flags("--critic-", args, args.critic_load)
-    if args.critic_lora_rank and os.path.realpath(args.critic_load) != os.path.realpath(args.teacher_load):
+    _validate_scoring_sigma(args)
+    for flag, value in (
+        ("--dmd2-gan-mismatch-weight", args.dmd2_gan_mismatch_weight),
+        ("--dmd2-gan-r1-weight", args.dmd2_gan_r1_weight),
+        ("--dmd2-gan-r1-alpha", args.dmd2_gan_r1_alpha),
+        ("--dmd2-gan-start-rollout", args.dmd2_gan_start_rollout),
+    ):
+        check_number(flag, value, low=0)
+    gan_only = {
+        "--dmd2-gan-projection": args.dmd2_gan_projection,
+        "--dmd2-gan-mismatch-weight": args.dmd2_gan_mismatch_weight > 0,
+        "--dmd2-gan-r1-weight": args.dmd2_gan_r1_weight > 0,
+        "--dmd2-gan-start-rollout": args.dmd2_gan_start_rollout > 0,
+        "--dmd2-gan-eval-real-data": bool(args.dmd2_gan_eval_real_data),
+    }
+    for flag, used in gan_only.items():
+        if used and not gan_enabled(args):
+            reject(f"{flag} changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it")
+    if args.dmd2_gan_mismatch_weight > 0 and args.micro_batch_size < 2:
         reject(
-            f"--critic-lora-rank puts the critic's adapter on the teacher's weights (one base in the critic group): "
-            f"--critic-load {args.critic_load} must be --teacher-load {args.teacher_load}, or set --critic-lora-rank 0"
+            "--dmd2-gan-mismatch-weight shows each real with another real's prompt from its micro-batch: set "
+            f"--micro-batch-size >= 2 (got {args.micro_batch_size})"
         )
+    if args.dmd2_gan_eval_real_data and not args.eval_interval:
+        reject("--dmd2-gan-eval-real-data is read at evaluations only: set --eval-interval, or remove it")
+    check_lora_flags("--critic-", args, args.critic_load, teacher=args.teacher_load)
+
+
+def _validate_scoring_sigma(args: argparse.Namespace) -> None:
+    rule = args.dmd2_scoring_sigma
+    check_number("--dmd2-scoring-shift", args.dmd2_scoring_shift, low=0, low_open=True)
+    check_number("--dmd2-scoring-logit-mean", args.dmd2_scoring_logit_mean)
+    check_number("--dmd2-scoring-logit-std", args.dmd2_scoring_logit_std, low=0, low_open=True)
+    defaults = {"--dmd2-scoring-shift": (args.dmd2_scoring_shift, 1.0, "shift")}
+    defaults["--dmd2-scoring-logit-mean"] = (args.dmd2_scoring_logit_mean, 0.0, "logit-normal")
+    defaults["--dmd2-scoring-logit-std"] = (args.dmd2_scoring_logit_std, 1.0, "logit-normal")
+    for flag, (value, default, needs) in defaults.items():
+        if value != default and rule != needs:
+            reject(f"{flag} is read by --dmd2-scoring-sigma {needs} only (got --dmd2-scoring-sigma {rule})")
 
 
 class DMD2Method(Method):
@@ -282,6 +314,32 @@ class DMD2Method(Method):
             help="Highest scoring timestep / 1000 (reference 98%%).",
         )
         group.add_argument(
+            "--dmd2-scoring-sigma",
+            type=str,
+            default="grid",
+            choices=scoring_sigma.SCORING_SIGMA_RULES,
+            help="Scoring σ draw: grid (uniform over the --fsdp-flow-shift grid), shift (--dmd2-scoring-shift) or "
+            "logit-normal (SD3's, --dmd2-scoring-logit-mean/-std); all within the min/max timestep ratios.",
+        )
+        group.add_argument(
+            "--dmd2-scoring-shift",
+            type=float,
+            default=1.0,
+            help="With --dmd2-scoring-sigma shift: σ = k·s/(1+(k−1)·s), s uniform; 1 = uniform σ, < 1 favours low σ.",
+        )
+        group.add_argument(
+            "--dmd2-scoring-logit-mean",
+            type=float,
+            default=0.0,
+            help="With --dmd2-scoring-sigma logit-normal: mean of logit(σ) (SD3: 0; negative favours low σ).",
+        )
+        group.add_argument(
+            "--dmd2-scoring-logit-std",
+            type=float,
+            default=1.0,
+            help="With --dmd2-scoring-sigma logit-normal: standard deviation of logit(σ) (SD3: 1).",
+        )
+        group.add_argument(
             "--dmd2-gan-disc-weight",
             type=float,
             default=0.0,
@@ -310,6 +368,43 @@ class DMD2Method(Method):
             type=_int_list,
             default=None,
             help="Phase 2: critic blocks whose image tokens feed the head, e.g. '6,12'; default the middle one.",
+        )
+        group.add_argument(
+            "--dmd2-gan-start-rollout",
+            type=int,
+            default=0,
+            help="Phase 2: the student adds the GAN gradient from this rollout on (the head trains from the start).",
+        )
+        group.add_argument(
+            "--dmd2-gan-projection",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="Phase 2: add the projection term <V·pooled prompt embedding, φ(x)> to the head (Miyato & Koyama 2018).",
+        )
+        group.add_argument(
+            "--dmd2-gan-mismatch-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of real images shown with another sample's prompt as fakes (Reed et al. 2016).",
+        )
+        group.add_argument(
+            "--dmd2-gan-r1-weight",
+            type=float,
+            default=0.0,
+            help="Phase 2: weight of the approximate R1 penalty mean((D(real) − D(real + α·ε))²) (FastGen, APT).",
+        )
+        group.add_argument(
+            "--dmd2-gan-r1-alpha",
+            type=float,
+            default=0.1,
+            help="Phase 2: α, the std of the approximate R1's pixel perturbation of the clean reals (FastGen: 0.1).",
+        )
+        group.add_argument(
+            "--dmd2-gan-eval-real-data",
+            type=str,
+            default=None,
+            help="Phase 2: held-out real samples (JSONL like --dmd2-gan-real-data) on which every evaluation logs the "
+            "discriminator's quality (eval/disc_*).",
         )
 
     def set_defaults(self, args: argparse.Namespace) -> None:
@@ -373,12 +468,26 @@ class DMD2Method(Method):
         ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
         return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, eval_records[:DEBUG_SAMPLES], rollout_id)}
 
+    def eval_metrics(self, args: argparse.Namespace, groups: dict, rollout_id: int) -> dict[str, float]:
+        """With ``--dmd2-gan-eval-real-data``: the discriminator's prompt AUC, real-vs-fake AUC and mean logits on
+        held-out reals (:func:`miles.methods.dmd2_disc_eval.disc_quality`)."""
+        if not (gan_enabled(args) and args.dmd2_gan_eval_real_data):
+            return {}
+        from miles.methods.dmd2_disc_eval import disc_quality
+
+        return disc_quality(args, groups)
+
     def train_forward_batch(self, group_args: argparse.Namespace) -> int:
-        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair."""
+        """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
+        plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
+        (``--dmd2-gan-r1-weight``)."""
         gan_critic = (
             group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
         )
-        return (3 if gan_critic else 1) * group_args.micro_batch_size
+        if not gan_critic:
+            return group_args.micro_batch_size
+        rows = 3 + (group_args.dmd2_gan_mismatch_weight > 0) + (group_args.dmd2_gan_r1_weight > 0)
+        return rows * group_args.micro_batch_size
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:

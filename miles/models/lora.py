@@ -4,6 +4,7 @@ The trainer's LoRA converter and the memory planner (:mod:`miles.driver.memory_p
 :func:`add_lora_adapter`, so the planner counts exactly the parameters a run trains.
 """
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -204,7 +205,7 @@ def parse_target_modules(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_lora_flags(prefix: str, args, pipeline: str | None) -> None:
+def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | None = None) -> None:
     """Reject a group's LoRA flags that no run can use, with one line naming them (exit 2 through ``parse_args``).
 
     Args:
@@ -212,10 +213,13 @@ def check_lora_flags(prefix: str, args, pipeline: str | None) -> None:
             (``lora_rank`` / ``critic_lora_rank``, ...).
         pipeline: the pipeline directory whose denoiser the adapter goes on; its transformer config is built on the
             meta device (no weights) to check that every target module names a ``Linear`` of the model.
+        teacher: for the critic, ``--teacher-load``: its adapter sits on the teacher's weights (one base per group),
+            so ``pipeline`` must be that directory.
 
     Raises:
         ArgumentValidationError: for a negative rank, alpha <= 0, dropout outside [0, 1), or target modules that
-            match no Linear of the model (the message names them and the model's Linear names).
+            match no Linear of the model (the message names them and the model's Linear names), or a critic
+            adapter on another pipeline than the teacher's.
     """
     from miles.utils.validation import check_number, reject
 
@@ -229,6 +233,11 @@ def check_lora_flags(prefix: str, args, pipeline: str | None) -> None:
     if alpha is not None:
         check_number(f"{prefix}lora-alpha", alpha, low=0, low_open=True)
     check_number(f"{prefix}lora-dropout", dropout, low=0, high=1, high_open=True)
+    if teacher is not None and os.path.realpath(pipeline) != os.path.realpath(teacher):
+        reject(
+            f"{prefix}lora-rank puts the critic's adapter on the teacher's weights (one base in the critic group): "
+            f"{prefix}load {pipeline} must be --teacher-load {teacher}, or set {prefix}lora-rank 0"
+        )
     if targets is None or pipeline is None:
         return  # the default list: the names a model lacks are skipped
     from miles.models.memory import meta_denoiser, transformer_config

@@ -1,8 +1,10 @@
 """The generator EMA (``--ema-decay``): an exponential moving average of a group's trainable weights.
 
 The math is diffusers' ``EMAModel`` (``diffusers.training_utils``): after optimizer step n the shadow weights move
-toward the live ones, ``shadow ← shadow − (1 − d_n)·(shadow − param)``, with the warm-up ``d_n = min(decay, (1 + m)
-/ (10 + m))``, m = n − 1 (``d_1 = 0``: the first update copies the weights). The shadows are float32 and sharded
+toward the live ones, ``shadow ← shadow − (1 − d_n)·(shadow − param)``, with the warm-up ``d_n = max(min_decay,
+min(decay, (1 + m) / (10 + m)))``, m = n − 1 − update_after_step, and ``d_n = 0`` (a copy of the weights) while
+m ≤ 0. The warm-up is slow: with decay 0.99 it reaches 0.971 after 300 steps and 0.99 only after 890;
+``min_decay = decay`` turns it off (a constant decay from the second step). The shadows are float32 and sharded
 like the parameters: each rank averages its own shards (FSDP2's DTensor parameters, seen through their local
 tensors, so no collective is needed). Rollouts keep using the live weights, so training stays on-policy; the export
 and the evaluation use the shadows when ``--ema-for-eval`` (the default with an EMA).
@@ -29,18 +31,30 @@ class ParameterEMA:
     Args:
         modules: the modules whose parameters are averaged, in a fixed order.
         decay: the EMA decay in (0, 1), e.g. 0.99.
+        min_decay: the warm-up's floor in [0, decay] (``--ema-min-decay``; diffusers' ``min_decay``).
+        update_after_step: optimizer steps during which the EMA copies the weights (``--ema-update-after-step``).
 
     Raises:
-        ValueError: if ``decay`` is not in (0, 1).
+        ValueError: if ``decay`` is not in (0, 1) or ``min_decay`` not in [0, decay].
     """
 
-    def __init__(self, modules: nn.ModuleDict, decay: float) -> None:
+    def __init__(
+        self, modules: nn.ModuleDict, decay: float, min_decay: float = 0.0, update_after_step: int = 0
+    ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"--ema-decay must be in (0, 1), got {decay}")
+        if not 0 <= min_decay <= decay:
+            raise ValueError(f"--ema-min-decay must be in [0, --ema-decay {decay}], got {min_decay}")
         self.modules = modules
         self.names = [name for name, param in modules.named_parameters() if param.requires_grad]
         with torch.no_grad():
-            self._ema = EMAModel(self._locals(), decay=decay, foreach=True)
+            self._ema = EMAModel(
+                self._locals(),
+                decay=decay,
+                min_decay=min_decay,
+                update_after_step=update_after_step,
+                foreach=True,
+            )
         # float32 shadows whatever the parameters' dtype (a frozen copy would not need it; trainables are fp32).
         self._ema.shadow_params = [shadow.detach().float().clone() for shadow in self._ema.shadow_params]
 

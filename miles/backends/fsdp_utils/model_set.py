@@ -181,8 +181,8 @@ def build_model_set(
 
     Args:
         args: the group's args: ``hf_checkpoint``, ``teacher_load``, ``custom_build_modules_path``, the optimizer's
-            and schedule's flags, ``ema_decay``, ``fsdp_reshard_every_microbatch``, ``num_rollout`` and
-            ``num_steps_per_rollout`` (the schedule's horizon).
+            and schedule's flags, ``ema_decay`` (with ``ema_min_decay`` and ``ema_update_after_step``),
+            ``fsdp_reshard_every_microbatch``, ``num_rollout`` and ``num_steps_per_rollout`` (the schedule's horizon).
         mesh: the group's 1-D data-parallel mesh; None for a group of one (nothing is wrapped).
         converters: applied to every trainable module before sharding, in order.
 
@@ -208,5 +208,9 @@ def build_model_set(
             trainable[name] = module
     optimizer = build_optimizer(list(trainable.values()), args)
     scheduler = build_lr_scheduler(optimizer, args, args.num_rollout * args.num_steps_per_rollout)
-    ema = ParameterEMA(trainable, args.ema_decay) if args.ema_decay else None
+    ema = None
+    if args.ema_decay:
+        ema = ParameterEMA(
+            trainable, args.ema_decay, min_decay=args.ema_min_decay, update_after_step=args.ema_update_after_step
+        )
     return ModelSet(trainable, frozen, optimizer, scheduler, ema, list(converters))

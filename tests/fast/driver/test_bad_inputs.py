@@ -312,6 +312,9 @@ COMMANDS: dict[str, Callable] = {
     "sampling-shift-zero": flag_case("--diffusion-flow-shift", "0", message="--diffusion-flow-shift must be > 0"),
     "guidance-inf": flag_case("--diffusion-guidance-scale", "inf", message="--diffusion-guidance-scale must be a fi"),
     "ema-decay-one": flag_case("--ema-decay", "1", message="--ema-decay must be in (0, 1)"),
+    "ema-warmup-without-ema": flag_case(
+        "--ema-update-after-step", "10", message="--ema-min-decay and --ema-update-after-step shape the EMA's"
+    ),
     "gpu-memory-zero": flag_case(
         "--dry-run", "--gpu-memory-gb", "0", message="--gpu-memory-gb must be > 0 (e.g. 80), got 0.0"
     ),

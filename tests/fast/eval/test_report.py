@@ -3,8 +3,9 @@
 import json
 
 import numpy as np
+import pytest
 
-from miles.eval.report import format_summary_table, log_to_wandb, write_summary
+from miles.eval.report import aggregate_seeds, format_summary_table, log_to_wandb, write_summary
 
 RESULTS = [
     {
@@ -89,3 +90,18 @@ def test_log_to_wandb_offline_run(tmp_path, monkeypatch):
         run.finish()
     media = list(tmp_path.glob("wandb/offline-run-*/files/media/images/eval_media/grid-student-4_*.png"))
     assert len(media) == 1
+
+
+def test_aggregate_seeds_gives_means_and_sample_std_and_the_table_shows_both():
+    rows = [dict(RESULTS[0], seed=seed, fd=fd, accuracy=acc) for seed, fd, acc in [(0, 1.0, 0.9), (1, 1.2, 0.92)]]
+    rows[1]["precision"] = None
+    merged = aggregate_seeds(rows)
+    assert merged["seed"] == [0, 1] and merged["per_seed"] == rows and merged["n_samples"] == 500
+    assert merged["fd"] == pytest.approx(1.1) and merged["fd_std"] == pytest.approx(np.std([1.0, 1.2], ddof=1))
+    assert merged["accuracy"] == pytest.approx(0.91) and np.isnan(merged["precision"])
+    line = format_summary_table([merged]).splitlines()[2]
+    assert line.startswith("| teacher-28 | teacher | euler | 28 | 3 | 500 | 0,1 | 91.0% ± 1.4% | 1.100 ± 0.141 |")
+    single = aggregate_seeds(rows[:1])
+    assert np.isnan(single["fd_std"]) and "| 1.000 |" in format_summary_table([single])
+    with pytest.raises(ValueError, match="one configuration's rows"):
+        aggregate_seeds([rows[0], dict(rows[1], name="other")])

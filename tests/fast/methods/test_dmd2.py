@@ -58,6 +58,8 @@ def _rejection(argv, capsys) -> str:
         DMD2,
         [*DMD2, "--dmd2-teacher-guidance-scale", "4.5", "--fsdp-flow-shift", "0.5"],
         [*DMD2, "--dmd2-critic-steps-per-rollout", "1", "--dmd2-critic-scoring", "original"],
+        [*DMD2, "--dmd2-scoring-sigma", "logit-normal", "--dmd2-scoring-logit-mean", "-1", "--ema-decay", "0.99"]
+        + ["--ema-min-decay", "0.99", "--ema-update-after-step", "100"],
         [
             *DMD2,
             "--dmd2-critic-steps-per-rollout",
@@ -215,6 +217,28 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--dmd2-max-timestep-ratio", "1.5"],
             "need 0 <= --dmd2-min-timestep-ratio < --dmd2-max-timestep-ratio <= 1, got (0.02, 1.5)",
         ),
+        (
+            [*DMD2, "--dmd2-scoring-shift", "0.5"],
+            "--dmd2-scoring-shift is read by --dmd2-scoring-sigma shift only (got --dmd2-scoring-sigma grid)",
+        ),
+        (
+            [*DMD2, "--dmd2-scoring-sigma", "logit-normal", "--dmd2-scoring-logit-std", "0"],
+            "--dmd2-scoring-logit-std must be > 0, got 0.0",
+        ),
+        (
+            [*DMD2, "--dmd2-gan-projection"],
+            "--dmd2-gan-projection changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it",
+        ),
+        (
+            [*DMD2, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", "/data/real.jsonl"]
+            + ["--dmd2-gan-mismatch-weight", "1", "--micro-batch-size", "1"],
+            "--dmd2-gan-mismatch-weight shows each real with another real's prompt from its micro-batch: set "
+            "--micro-batch-size >= 2 (got 1)",
+        ),
+        (
+            [*DMD2, "--ema-decay", "0.99", "--ema-min-decay", "0.995"],
+            "--ema-min-decay 0.995 must be <= --ema-decay 0.99 (the warm-up's floor)",
+        ),
     ],
     ids=[
         "teacher-missing",
@@ -230,6 +254,11 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
         "timestep-ratios-equal",
         "timestep-ratio-below-0",
         "timestep-ratio-above-1",
+        "scoring-shift-without-its-rule",
+        "logit-std-zero",
+        "projection-without-gan",
+        "mismatch-in-micro-batches-of-one",
+        "ema-floor-above-decay",
     ],
 )
 def test_unsupported_dmd2_combination_rejected(argv, message, capsys):
@@ -366,3 +395,11 @@ def test_critic_lora_flags_default_to_the_students_and_map_onto_the_critic_group
 )
 def test_bad_lora_flags_rejected_in_one_line(extra, message, capsys):
     assert message in _rejection([*DMD2, *extra], capsys)
+
+
+def test_the_discriminator_evaluation_pairs_each_real_with_the_next_other_prompt():
+    from miles.methods.dmd2_disc_eval import wrong_prompts
+
+    assert wrong_prompts(["a 1", "a 1", "a 2", "a 3"]) == ["a 2", "a 2", "a 3", "a 1"]
+    with pytest.raises(ValueError, match="holds a single prompt"):
+        wrong_prompts(["a 1", "a 1"])

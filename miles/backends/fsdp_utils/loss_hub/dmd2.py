@@ -25,8 +25,12 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
     DISC_HEAD,
     disc_loss_terms,
     generator_gan_gradient,
+    judge_loss,
+    judge_rows,
+    pooled_embedding,
     seeded_noise_levels,
 )
+from miles.backends.fsdp_utils.loss_hub.scoring_sigma import draw_scoring_levels
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
@@ -34,7 +38,7 @@ from miles.models.base import DENOISER
 from miles.models.capabilities import TrueCFG, supports
 from miles.utils.health import health_figures
 from miles.utils.misc import make_generator
-from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels, forward_process, x0_from_velocity
+from miles.utils.sampling import FlowNoiseSchedule, forward_process, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
 
 __all__ = [
@@ -68,13 +72,17 @@ def prepare_critic_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> Pre
 
 
 def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) -> PreparedBatch:
-    """Phase 2: the critic's flow-matching batch plus the discriminator's, in one forward of 3B samples.
+    """Phase 2: the critic's flow-matching batch plus the discriminator's, in one forward of 3B (to 5B) samples.
 
     Rows ``0..B−1`` are exactly :func:`prepare_critic_batch`'s; rows ``B..2B−1`` are the fakes ``x̂0_i`` and rows
     ``2B..3B−1`` the paired real latents, both noised at diffusion-GAN levels (σ from the scoring range; σ and noise
     from ``make_generator("gan_disc", seed, rollout, micro-batch, DP rank)``: fakes first, then reals), with the
-    fakes' positive cond and the reals' own. The critic's one forward then gives the SFT velocity of the first
-    rows and, through the head's feature tap, the discriminator's features of the others (:func:`critic_gan_loss`).
+    fakes' positive cond and the reals' own. Then the optional matching-aware and approximate-R1 rows of B each
+    (:func:`~miles.backends.fsdp_utils.loss_hub.gan.judge_rows`).
+
+    The critic's one forward then gives the SFT velocity of the first rows and, through the head's feature tap,
+    the discriminator's features of the others (:func:`critic_gan_loss`). ``extras["gan_groups"]`` names the
+    groups of B rows after the SFT ones.
 
     The real samples are the pairs' side input ``pair.extras["real"]`` (data ``Sample`` s of
     ``--dmd2-gan-real-data``, one per pair).
@@ -95,16 +103,31 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
     sigma, timestep, noise = seeded_noise_levels(
         ctx, "gan_disc", ctx.microbatch_id, (2 * len(train_pairs), *fake.shape[1:]), grid, allowed
     )
+    batch = len(train_pairs)
     gan_latents = forward_process(torch.cat([fake, real]), sigma, noise).to(ctx.device)
     fake_cond = {key: value.to(ctx.device) for key, value in collate_cond([p.pos_cond for p in train_pairs]).items()}
     real_conds = collate_cond([pair.extras[REAL_DATA].env.pos_cond for pair in train_pairs])
     real_cond = {key: value.to(ctx.device) for key, value in real_conds.items()}
+    latents, timesteps, conds = (
+        [sft.latents, gan_latents],
+        [sft.timestep, timestep.to(ctx.device)],
+        [fake_cond, real_cond],
+    )
+    rows, extras = judge_rows(
+        ctx, real, gan_latents[batch:], real_cond, sigma[batch:], timestep[batch:].to(ctx.device), noise[batch:]
+    )
+    groups = ["fake", "real"]
+    for name, row_latents, row_timestep, row_cond in rows:
+        groups.append(name)
+        latents.append(row_latents)
+        timesteps.append(row_timestep)
+        conds.append(row_cond)
     return PreparedBatch(
-        latents=torch.cat([sft.latents, gan_latents]),
-        timestep=torch.cat([sft.timestep, timestep.to(ctx.device)]),
-        cond={key: torch.cat([sft.cond[key], fake_cond[key], real_cond[key]]) for key in sft.cond},
+        latents=torch.cat(latents),
+        timestep=torch.cat(timesteps),
+        cond={key: torch.cat([sft.cond[key], *(cond[key] for cond in conds)]) for key in sft.cond},
         target=sft.target,
-        extras={**sft.extras, "gan_batch": len(train_pairs), "gan_sigma": sigma},
+        extras={**sft.extras, **extras, "gan_batch": batch, "gan_sigma": sigma, "gan_groups": groups},
     )
 
 
@@ -118,25 +141,34 @@ def critic_gan_loss(
     metrics: dict[str, list[float]],
 ) -> torch.Tensor:
     """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
-    rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × ``softplus(D(fake)) + softplus(−D(real))``
-    (tianweiy/DMD2 ``guidance_cls_loss``). Both train the critic backbone; the second also trains the head.
+    rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × the discriminator's loss
+    ``softplus(D(fake)) + softplus(−D(real))`` (tianweiy/DMD2 ``guidance_cls_loss``)
+    ``+ w_mismatch · softplus(D(real, another prompt))`` (Reed et al. 2016; pairs without a mismatched prompt in the
+    micro-batch add 0) ``+ w_r1 · (D(real) − D(real + α·ε'))²`` (approximate R1). All train the critic backbone;
+    the GAN terms also train the head.
 
-    Metrics: ``sft_loss``, ``gan_disc_loss``, ``gan_logit_real`` and ``gan_logit_fake`` (mean D of each).
+    Metrics: ``sft_loss``, ``gan_disc_loss`` (the two-term loss), ``gan_logit_real`` and ``gan_logit_fake`` (mean D
+    of each), and with their options ``gan_logit_mismatch`` and ``gan_r1``.
     """
     batch = prepared.extras["gan_batch"]
+    groups = prepared.extras.get("gan_groups", ["fake", "real"])
     target = prepared.target.to(device=new_pred.device, dtype=torch.float32)
     sft = (new_pred[:batch].float() - target).pow(2).flatten(1).mean(dim=1)
     head = ctx.models[DISC_HEAD]
-    # The tap holds the image tokens of the trainer's forward: rows B.. are the noised fakes, then the reals.
-    logits = head([features[batch:] for features in head.tap.features])
-    logits_fake, logits_real = logits[:batch], logits[batch:]
-    disc = disc_loss_terms(logits_fake, logits_real)
-    weight = dmd2_settings(ctx.args).gan_disc_weight
+    # The tap holds the image tokens of the trainer's forward: rows B.. are the noised fakes, then the reals, then
+    # the optional groups.
+    pooled = pooled_embedding(head, prepared.cond)
+    logits = head([features[batch:] for features in head.tap.features], None if pooled is None else pooled[batch:])
+    logit = {name: logits[i * batch : (i + 1) * batch] for i, name in enumerate(groups)}
+    disc = disc_loss_terms(logit["fake"], logit["real"])
+    settings = dmd2_settings(ctx.args)
+    gan = disc + judge_loss(settings, logit, prepared.extras, metrics) if len(groups) > 2 else disc
+    weight = settings.gan_disc_weight
     metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
     metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_real", []).extend(logits_real.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_fake", []).extend(logits_fake.detach().cpu().tolist())
-    return (sft + weight * disc).sum()
+    metrics.setdefault("gan_logit_real", []).extend(logit["real"].detach().cpu().tolist())
+    metrics.setdefault("gan_logit_fake", []).extend(logit["fake"].detach().cpu().tolist())
+    return (sft + weight * gan).sum()
 
 
 def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
@@ -188,8 +220,10 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     Runs after the critic's K steps (or before its last one with ``--dmd2-critic-scoring original``), under no grad,
     over this rank's whole DP shard, in micro-batches of ``--micro-batch-size`` pairs with ids ``0, 1, ...``. Per
     micro-batch ``m``, one generator ``make_generator("dmd2_score", args.seed, ctx.rollout_id, m, ctx.dp_rank)``
-    draws first the grid positions (uniform over :func:`scoring_grid_indices`) and then the noise ``ε``; then
-    ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
+    draws first the noise levels (``--dmd2-scoring-sigma``,
+    :func:`~miles.backends.fsdp_utils.loss_hub.scoring_sigma.draw_scoring_levels`; by default uniform over
+    :func:`scoring_grid_indices`) and then the noise ``ε``; then ``x_σ = (1 − σ)·x̂0_i + σ·ε`` and
+    ``x0 = x_σ − σ·v`` (float32) for the teacher and the critic.
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
     score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
@@ -199,8 +233,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     Args:
         ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
             (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
-            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale and
-            scoring range, ``rollout_id`` and ``dp_rank``.
+            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale,
+            scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
     It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
@@ -229,7 +263,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     args = ctx.args
     teacher = ctx.teacher_models[DENOISER]
     critic = ctx.models[DENOISER]
-    guidance_scale = dmd2_settings(args).teacher_guidance_scale
+    settings = dmd2_settings(args)
+    guidance_scale = settings.teacher_guidance_scale
     # Only true CFG runs an unconditional branch; an embedded-guidance teacher takes the scale as an input.
     true_cfg = supports(ctx.family, TrueCFG)
     if guidance_scale != 1.0 and true_cfg:
@@ -247,7 +282,7 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                 chunk = train_pairs[start : start + micro_batch_size]
                 x0_hat = torch.stack([pair.x0 for pair in chunk]).float()
                 generator = make_generator("dmd2_score", args.seed, ctx.rollout_id, microbatch_id, ctx.dp_rank)
-                _, sigma, timestep, noise = draw_noise_levels(generator, grid, x0_hat.shape, allowed)
+                sigma, timestep, noise = draw_scoring_levels(settings, generator, grid, x0_hat.shape, allowed)
                 x_sigma = forward_process(x0_hat, sigma, noise)
                 sigma_b = sigma.float().view(-1, *([1] * (x0_hat.ndim - 1)))
 
@@ -423,7 +458,12 @@ def dmd2_loss_formula(
     sigma = prepared.extras["sigma"].to(device=device, dtype=torch.float32).view(-1, *([1] * (v.ndim - 1)))
     x0 = latents - sigma * v
     x0_real, x0_fake, g_gan = _critic_scores(ctx, prepared.extras["sample_index"], device)
-    gan_weight = dmd2_settings(ctx.args).gan_gen_weight
+    settings = dmd2_settings(ctx.args)
+    gan_weight = settings.gan_gen_weight
+    if isinstance(ctx.rollout_id, int) and ctx.rollout_id < settings.gan_start_rollout:
+        # The GAN phase starts once the distribution-matching term has converged (tianweiy/DMD2's ImageNet recipe
+        # adds the GAN to a converged student); the head trains from the start, so it is ready by then.
+        gan_weight = 0.0
 
     reduce_dims = tuple(range(1, x0.ndim))
     with torch.no_grad():

@@ -45,10 +45,17 @@ class DMD2Settings:
         teacher_guidance_scale: CFG scale of the teacher's score (1 = no CFG).
         critic_scoring: ``"fused"`` or ``"original"``.
         min_timestep_ratio, max_timestep_ratio: the scoring range of timesteps / 1000.
+        scoring_sigma: the scoring σ rule, ``"grid"``, ``"shift"`` or ``"logit-normal"``
+            (``loss_hub.scoring_sigma``); scoring_shift, scoring_logit_mean, scoring_logit_std: its parameters.
         gan_disc_weight, gan_gen_weight: phase 2's discriminator and generator GAN weights (0: off).
         gan_real_data: phase 2's JSONL of real samples, or None.
         gan_max_timestep_ratio: the top of the diffusion-GAN noise range, timestep / 1000.
         gan_feature_blocks: the critic blocks the discriminator head reads, or None for the middle one.
+        gan_start_rollout: the first rollout whose student step adds the GAN gradient (0: from the start).
+        gan_projection: the head's projection term on the pooled prompt embedding.
+        gan_mismatch_weight: weight of the reals shown with another prompt (matching-aware, 0: off).
+        gan_r1_weight, gan_r1_alpha: weight (0: off) and pixel-noise std of the approximate R1 penalty.
+        gan_eval_real_data: held-out real samples for the discriminator's figures at evaluations, or None.
     """
 
     critic_steps_per_rollout: int = 5
@@ -56,11 +63,21 @@ class DMD2Settings:
     critic_scoring: str = "fused"
     min_timestep_ratio: float = 0.02
     max_timestep_ratio: float = 0.98
+    scoring_sigma: str = "grid"
+    scoring_shift: float = 1.0
+    scoring_logit_mean: float = 0.0
+    scoring_logit_std: float = 1.0
     gan_disc_weight: float = 0.0
     gan_gen_weight: float = 0.0
     gan_real_data: str | None = None
     gan_max_timestep_ratio: float = 0.98
     gan_feature_blocks: tuple[int, ...] | None = None
+    gan_start_rollout: int = 0
+    gan_projection: bool = False
+    gan_mismatch_weight: float = 0.0
+    gan_r1_weight: float = 0.0
+    gan_r1_alpha: float = 0.1
+    gan_eval_real_data: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DMD2Settings":
@@ -72,11 +89,21 @@ class DMD2Settings:
             critic_scoring=args.dmd2_critic_scoring,
             min_timestep_ratio=args.dmd2_min_timestep_ratio,
             max_timestep_ratio=args.dmd2_max_timestep_ratio,
+            scoring_sigma=args.dmd2_scoring_sigma,
+            scoring_shift=float(args.dmd2_scoring_shift),
+            scoring_logit_mean=float(args.dmd2_scoring_logit_mean),
+            scoring_logit_std=float(args.dmd2_scoring_logit_std),
             gan_disc_weight=float(args.dmd2_gan_disc_weight),
             gan_gen_weight=float(args.dmd2_gan_gen_weight),
             gan_real_data=args.dmd2_gan_real_data,
             gan_max_timestep_ratio=args.dmd2_gan_max_timestep_ratio,
             gan_feature_blocks=tuple(int(block) for block in blocks) if blocks else None,
+            gan_start_rollout=int(args.dmd2_gan_start_rollout),
+            gan_projection=bool(args.dmd2_gan_projection),
+            gan_mismatch_weight=float(args.dmd2_gan_mismatch_weight),
+            gan_r1_weight=float(args.dmd2_gan_r1_weight),
+            gan_r1_alpha=float(args.dmd2_gan_r1_alpha),
+            gan_eval_real_data=args.dmd2_gan_eval_real_data,
         )
 
     @property

@@ -1,6 +1,7 @@
 """The generator EMA: diffusers' EMAModel warm-up math on the (sharded) weights, the swap for evaluation, and its
 checkpoint round trip through DCP."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,3 +89,52 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
         assert fresh_ema.num_updates == ema.num_updates == 3
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[name], loaded[name]) for name in saved)
+
+
+def test_ema_min_decay_and_update_after_step_set_the_warm_up():
+    """--ema-min-decay = --ema-decay turns diffusers' warm-up off (a constant decay from the second step);
+    --ema-update-after-step keeps the shadow a copy of the live weights until that step."""
+
+    def decays(**kwargs) -> list[float]:
+        torch.manual_seed(0)
+        modules = nn.ModuleDict({"layer": nn.Linear(3, 2)})
+        ema = ParameterEMA(modules, decay=0.99, **kwargs)
+        shadow = modules["layer"].weight.detach().clone()
+        seen = []
+        for step in range(1, 7):
+            with torch.no_grad():
+                modules["layer"].weight.add_(float(step))
+            ema.update()
+            seen.append(ema.decay_value)
+            live = modules["layer"].weight.detach()
+            shadow = seen[-1] * shadow + (1 - seen[-1]) * live
+            torch.testing.assert_close(ema.state_dict()["shadow"]["layer.weight"], shadow)
+        return seen
+
+    warm = [0.0] + [min(0.99, (1 + m) / (10 + m)) for m in range(1, 6)]
+    assert decays() == pytest.approx(warm)
+    assert decays(min_decay=0.99) == pytest.approx([0.0] + [0.99] * 5)
+    assert decays(update_after_step=3) == pytest.approx([0.0, 0.0, 0.0, 0.0, 2 / 11, 3 / 12])
+    with pytest.raises(ValueError, match="--ema-min-decay must be in \\[0, --ema-decay 0.9\\]"):
+        ParameterEMA(nn.ModuleDict({"layer": nn.Linear(1, 1)}), decay=0.9, min_decay=0.95)
+
+
+def test_the_model_set_builds_its_ema_with_the_warm_up_flags(tmp_path):
+    """``build_model_set`` (the trainer's EMA) reads --ema-min-decay and --ema-update-after-step; a group of one needs
+    no process group."""
+    from miles.backends.fsdp_utils.model_set import build_model_set
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    flags = ["--ema-decay", "0.99", "--ema-min-decay", "0.5", "--ema-update-after-step", "2"]
+    args = make_args(pipeline, tmp_path, *flags)
+    models = build_model_set(args, get_model_family(pipeline), torch.device("cpu"), torch.float32, None, [])
+    assert (models.ema._ema.decay, models.ema._ema.min_decay, models.ema._ema.update_after_step) == (0.99, 0.5, 2)
+    default = build_model_set(make_args(pipeline, tmp_path, "--ema-decay", "0.99"), get_model_family(pipeline),
+                              torch.device("cpu"), torch.float32, None, [])  # fmt: skip
+    assert (default.ema._ema.min_decay, default.ema._ema.update_after_step) == (0.0, 0)
+    from miles.driver.validators import validate_number_args
+    from miles.utils.validation import ArgumentValidationError
+
+    args.ema_min_decay = 0.995
+    with pytest.raises(ArgumentValidationError, match="--ema-min-decay 0.995 must be <= --ema-decay 0.99"):
+        validate_number_args(args)

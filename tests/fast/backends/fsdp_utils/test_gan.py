@@ -189,9 +189,9 @@ def _generator_inputs(family, pipeline):
     return student, pairs, scores
 
 
-def _generator_step(family, pipeline, scores, gen_weight):
+def _generator_step(family, pipeline, scores, gen_weight, **overrides):
     student, pairs, _ = _generator_inputs(family, pipeline)
-    args = _args(pipeline, dmd2_gan_gen_weight=gen_weight)
+    args = _args(pipeline, dmd2_gan_gen_weight=gen_weight, **overrides)
     ctx = _ctx(args, family, {"transformer": student}, external={"critic": scores})
     prepared = dmd2_hub.prepare_generator_batch(ctx, pairs)
     new_pred = ctx.predict_velocity(student, prepared.latents, prepared.timestep, prepared.cond)

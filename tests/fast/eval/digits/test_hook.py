@@ -132,6 +132,23 @@ def test_suite_compares_teacher_and_students_at_one_cfg(teacher_dir, student_dir
     assert all(f"| {name} |" in markdown for name in names)
 
 
+def test_suite_over_several_seeds_reports_means_and_std_of_the_single_seed_rows(teacher_dir, tmp_path):
+    kwargs = dict(guidance_scale=3.0, n_per_class=N_PER_CLASS, teacher_steps=(1,))
+    results = evaluate_suite(teacher_dir, {}, tmp_path / "multi", seeds=(4, 5), **kwargs)
+    singles = [evaluate_suite(teacher_dir, {}, tmp_path / f"s{seed}", seed=seed, **kwargs) for seed in (4, 5)]
+    for merged, *per_seed in zip(results, *singles):
+        assert merged["seed"] == [4, 5] and merged["n_samples"] == 10 * N_PER_CLASS
+        for key in ("fd", "accuracy", "precision", "recall"):
+            values = [row[key] for row in per_seed]
+            assert merged[key] == pytest.approx(np.mean(values), abs=1e-12), key
+            assert merged[f"{key}_std"] == pytest.approx(np.std(values, ddof=1), abs=1e-12), key
+    assert results[0]["grid"] == str(tmp_path / "multi" / "teacher-1step-cfg3.png")
+    markdown = (tmp_path / "multi" / "summary.md").read_text()
+    assert "seeds 4, 5: means ± std" in markdown and " ± " in markdown.splitlines()[-1]
+    with pytest.raises(ValueError, match="distinct sample seeds"):
+        evaluate_suite(teacher_dir, {}, tmp_path, seeds=(1, 1), **kwargs)
+
+
 def test_eval_hook_scores_engine_images_and_saves_a_grid(student_dir, tmp_path):
     args = Namespace(
         output_dir=str(tmp_path),
