@@ -9,6 +9,7 @@ generated from ``build_parser()`` (``python -m miles.driver.cli_reference``).
 
 import argparse
 
+from miles.driver.family_defaults import fill_flow_shifts
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
 from miles.models.lora import parse_target_modules
@@ -161,8 +162,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fsdp-flow-shift",
         type=float,
-        default=3.0,
-        help="Flow shift of the trainer's 1000-point sigma grid (SFT noise levels, DMD2 scoring).",
+        default=None,
+        help="Flow shift of the trainer's 1000-point sigma grid (SFT noise levels, DMD2 scoring); default: the "
+        "model family's (its stock pipeline's at the pipeline's resolution), else 3.0.",
     )
     group.add_argument("--seed", type=int, default=1234, help="Seed of the trainers' draws (noise, sigma).")
     group.add_argument(
@@ -239,7 +241,11 @@ def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples generated per prompt.")
     group.add_argument("--diffusion-num-steps", type=int, default=4, help="Steps of the student's sampler.")
     group.add_argument(
-        "--diffusion-flow-shift", type=float, default=3.0, help="Flow shift of the student's sampling schedule."
+        "--diffusion-flow-shift",
+        type=float,
+        default=None,
+        help="Flow shift of the student's sampling schedule; default: the model family's (its stock pipeline's at "
+        "the pipeline's resolution), else 3.0.",
     )
     group.add_argument(
         "--diffusion-timesteps",
@@ -451,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
 def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on other flags, in place; never overwrites a value the user set.
 
+    The flow shifts ← the model family's (:func:`miles.driver.family_defaults.fill_flow_shifts`), then
     ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``, then the method's ``set_defaults`` (its
     hook paths, the step strategy, what the engine must encode; see ``miles.methods``), then
     ``args.method_settings``, the method's typed settings (``Method.settings``).
     """
+    fill_flow_shifts(args)
     if args.global_batch_size is None and args.rollout_batch_size and args.num_steps_per_rollout:
         if rollout_pairs(args) % args.num_steps_per_rollout == 0:
             args.global_batch_size = rollout_pairs(args) // args.num_steps_per_rollout

@@ -98,6 +98,8 @@ def log_plan(args) -> None:
             group_args.num_steps_per_rollout,
             hooks,
         )
+    for flag, source in getattr(args, "flow_shift_origin", {}).items():
+        logger.info("flow shift: %s %s", flag, source)
     logger.info("work per DP rank per rollout (DP size %d, %d pairs per rank):", ranks, rollout_pairs(args) // ranks)
     for who, phase in work_per_rank(args):
         logger.info(

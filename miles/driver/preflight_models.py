@@ -14,7 +14,7 @@ from pathlib import Path
 from miles.models.base import DENOISER
 from miles.utils.validation import reject
 
-__all__ = ["check_compatible", "check_weights", "denoiser_numel", "safetensors_header"]
+__all__ = ["check_compatible", "check_guidance", "check_weights", "denoiser_numel", "safetensors_header"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +135,28 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
                     f"{other_flag} {other} does not fit {student_flag} {student}: {label} {value} vs "
                     f"{reference.get(label)}; it must take the student's latents and prompt encodings"
                 )
+
+
+def check_guidance(args: argparse.Namespace) -> None:
+    """Each pipeline can be guided as asked: ``--dmd2-teacher-guidance-scale`` (where the method has it) at most the
+    teacher's ``max_guidance_scale``, ``--diffusion-guidance-scale`` at most the student's (a FLUX.1-schnell
+    checkpoint takes no guidance).
+
+    Raises:
+        ArgumentValidationError: one line naming the flag, its value, the pipeline and its limit.
+    """
+    from miles.models import get_model_family
+
+    checks = [("--diffusion-guidance-scale", args.diffusion_guidance_scale, "--hf-checkpoint", args.hf_checkpoint)]
+    teacher_scale = getattr(args, "dmd2_teacher_guidance_scale", None)
+    if teacher_scale is not None and args.teacher_load:
+        checks.append(("--dmd2-teacher-guidance-scale", teacher_scale, "--teacher-load", args.teacher_load))
+    for scale_flag, scale, path_flag, path in checks:
+        family = get_model_family(path, args.diffusion_model_family)
+        limit = family.max_guidance_scale(path)
+        if limit is not None and scale > limit:
+            reject(
+                f"{scale_flag} {scale:g} does not fit {path_flag} {path}: the {family.name} pipeline takes guidance "
+                f"up to {limit:g} (a FLUX.1-schnell-style transformer has no guidance input); set {scale_flag} "
+                f"{limit:g}"
+            )

@@ -110,6 +110,59 @@ class ModelFamily(Protocol):
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one before the root (diffusers' ``_no_split_modules``), in forward order."""
 
+    def unused_parameters(self, denoiser: nn.Module) -> list[str]:
+        """Names of the denoiser's parameters its forward never reaches (a last joint block's text-output layers
+        whose result the model drops). A trainable denoiser freezes them: they would get no gradient, so the
+        optimizer would hold no state for them and a resume could not load one. Default: none."""
+        return []
+
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float | None:
+        """The flow shift k the family's stock pipeline samples pipeline ``path`` with, at its resolution: a static
+        scheduler's ``shift``, or ``e^mu`` where the pipeline computes a dynamic shift ``mu`` from the image token
+        count (the exponential time shift with ``mu`` is the static shift ``e^mu``, docs/families.md). miles uses it
+        for ``--diffusion-flow-shift`` (``num_steps`` = ``--diffusion-num-steps``, for a pipeline whose ``mu`` also
+        depends on the step count) and ``--fsdp-flow-shift`` (``num_steps`` None) when they are not given. Default
+        None: no family default (the flags then default to 3.0).
+
+        Raises:
+            OSError / ValueError: when a config file the shift comes from is missing or unreadable.
+        """
+        return None
+
+    def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        """The scheduler config a ``--save-hf`` export of a family with ``stock_scheduler`` writes, so that the
+        family's stock diffusers pipeline samples the student's schedule.
+
+        Args:
+            schedule: ``{"num_steps": S, "shift": k, "step_rule": "dmd2" | "euler", "num_train_timesteps": 1000,
+                "timesteps": [t, ...] | None}``, the keywords of
+                :func:`miles.models.sampling_schedule.stock_scheduler_config`.
+
+        Returns:
+            a diffusers scheduler config (``_class_name`` and the init arguments). Default: that function's config,
+            which pipelines that call ``scheduler.set_timesteps(S)`` (``StableDiffusion3Pipeline``) sample on the
+            student's grid.
+
+        Raises:
+            ValueError: on an unknown step rule or a grid miles' sampler rejects.
+        """
+        from miles.models.sampling_schedule import stock_scheduler_config
+
+        return stock_scheduler_config(**schedule)
+
+    def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call keywords of the family's stock pipeline that sample the exported student at ``path``, from miles'
+        generic ones: ``{"num_inference_steps": S}`` or ``{"sigmas": [σ, ...]}``, and ``"guidance_scale": w`` (the
+        student's own guidance, 1 for DMD2). Default: unchanged (``StableDiffusion3Pipeline`` takes these names)."""
+        return dict(kwargs)
+
+    def max_guidance_scale(self, path: str | Path) -> float | None:
+        """The largest guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it; 1 = no guidance) the denoiser
+        of pipeline ``path`` can be run at: 1 for a checkpoint without CFG or a guidance input (FLUX.1-schnell).
+        Preflight rejects a ``--dmd2-teacher-guidance-scale`` above the teacher's and a ``--diffusion-guidance-scale``
+        above the student's. Default: None, no limit."""
+        return None
+
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,
         as ``{label: value}`` (the label names the figure in preflight's error, e.g. ``"latent channels

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # Imported on the first look-up; each registers its families.
-BUILTIN_FAMILY_MODULES = ("miles.models.sd3", "miles.models.digits")
+BUILTIN_FAMILY_MODULES = ("miles.models.sd3", "miles.models.digits", "miles.models.qwen_image", "miles.models.flux")
 
 _FAMILIES: dict[str, type] = {}
 

@@ -34,6 +34,13 @@ they can differ from miles' by one float32 ulp (6e-5 at 1000). S = 1 needs none 
 no config: the export writes the static scheduler at ``shift`` 1 and the call passes ``sigmas=[t / 1000, ...]``
 (:func:`stock_sampling_kwargs`).
 
+Pipelines that pass the σ themselves. ``QwenImagePipeline``, ``FluxPipeline`` and ``Flux2KleinPipeline`` call
+``set_timesteps(sigmas=linspace(1, 1/S, S), mu=...)``: the unshifted spacing is already miles', so a static config
+with ``shift`` = k builds miles' grid (the ``mu`` they pass is ignored without ``use_dynamic_shifting``), and the
+dynamic config above would shift the wrong points (k = 3, S = 4: σ = 1, 0.881, 0.722, 0.5).
+:func:`sigmas_call_scheduler_config` writes that config; a family whose pipeline calls the scheduler so returns
+it from ``ModelFamily.stock_scheduler_config`` (docs/families.md, "Exporting a student to the stock pipelines").
+
 Re-noise. ``StableDiffusion3Pipeline.__call__`` does not pass its ``generator`` to ``scheduler.step``, so
 ``FlowMatchLCMScheduler`` draws the re-noise from torch's global RNG on the pipeline's device; the ``generator``
 only draws the initial latents. Seed ``torch.manual_seed`` before the call to repeat a sample. miles draws both
@@ -45,6 +52,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +65,7 @@ __all__ = [
     "TEACHER_NUM_STEPS",
     "TEACHER_STEP_RULE",
     "read_sampling_schedule",
+    "sigmas_call_scheduler_config",
     "stock_sampling_kwargs",
     "stock_scheduler_config",
     "write_sampling_schedule",
@@ -145,17 +154,58 @@ def stock_scheduler_config(
             shift_terminal=terminal,
         )
     config = json.loads(cls(**kwargs).to_json_string())
+    if timesteps is None:
+        mu = config["base_shift"] if config.get("use_dynamic_shifting") else None
+        _warn_unless_grid(config, FlowNoiseSchedule(num_steps, shift, num_train_timesteps), mu=mu)
     return config
 
 
-def _stock_grid_matches(config: dict, schedule: FlowNoiseSchedule) -> bool:
-    """Whether ``set_timesteps(S)`` of ``config``'s scheduler (as the SD3 pipeline calls it) builds ``schedule``'s σ
-    (float32, to 1 ulp) and timesteps (to 1e-4)."""
+def sigmas_call_scheduler_config(
+    *,
+    num_steps: int,
+    shift: float,
+    step_rule: str,
+    num_train_timesteps: int = 1000,
+    timesteps: list[float] | None = None,
+) -> dict[str, Any]:
+    """The scheduler config that samples the student's schedule with a stock pipeline that passes
+    ``sigmas=linspace(1, 1/S, S)`` to ``set_timesteps`` itself (``QwenImagePipeline``, ``FluxPipeline``,
+    ``Flux2KleinPipeline``): ``STOCK_SCHEDULERS[step_rule]`` with the static ``shift`` k, no dynamic shifting and no
+    terminal stretch, so the scheduler maps the pipeline's spacing to ``f_k(linspace(1, 1/S, S))``, miles' grid
+    (this module's docstring). With explicit timesteps ``shift`` is 1 and the call passes ``sigmas=``.
+
+    Args and errors: as :func:`stock_scheduler_config`.
+    """
+    if step_rule not in STOCK_SCHEDULERS:
+        raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
+    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)  # validates
+    cls = _scheduler_class(STOCK_SCHEDULERS[step_rule])
+    static = 1.0 if timesteps is not None else float(shift)
+    config = json.loads(cls(num_train_timesteps=num_train_timesteps, shift=static).to_json_string())
+    if timesteps is None:
+        _warn_unless_grid(config, schedule, sigmas=[1.0 - i / num_steps for i in range(num_steps)])
+    return config
+
+
+def _warn_unless_grid(config: dict, schedule: FlowNoiseSchedule, **set_timesteps) -> None:
+    if not _stock_grid_matches(config, schedule, **set_timesteps):
+        logger.warning(
+            "the installed diffusers builds another grid than %s from the %s config; sample the export with miles",
+            schedule,
+            config["_class_name"],
+        )
+
+
+def _stock_grid_matches(config: dict, schedule: FlowNoiseSchedule, **set_timesteps) -> bool:
+    """Whether ``config``'s scheduler builds ``schedule``'s σ (float32, to 1 ulp) and timesteps (to 1e-4) when the
+    pipeline calls ``set_timesteps(S, **set_timesteps)`` (SD3: ``mu``; the pipelines that pass the σ: ``sigmas``)."""
     import torch
 
     scheduler = _scheduler_class(config["_class_name"]).from_config(config)
-    mu = config["base_shift"] if config.get("use_dynamic_shifting") else None
-    scheduler.set_timesteps(schedule.num_steps, mu=mu)
+    if "sigmas" in set_timesteps:
+        scheduler.set_timesteps(**set_timesteps)
+    else:
+        scheduler.set_timesteps(schedule.num_steps, **set_timesteps)
     sigmas, timesteps = schedule.sigmas.float(), schedule.timesteps.float()
     return (
         scheduler.sigmas.shape == sigmas.shape
@@ -198,6 +248,7 @@ def write_sampling_schedule(
     guidance_scale: float = 1.0,
     distilled_guidance_scale: float | None = None,
     stock_scheduler: bool = False,
+    stock_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict:
     """Record the student's step schedule in ``<pipeline_dir>/scheduler/scheduler_config.json``.
 
@@ -207,7 +258,8 @@ def write_sampling_schedule(
     ``--dmd2-teacher-guidance-scale`` and the family's ``stock_scheduler``.
 
     With ``stock_scheduler`` the scheduler itself is replaced: the config becomes
-    :func:`stock_scheduler_config`'s (plus the ``_miles_*`` keys, and ``shift`` as that function sets it) and
+    ``stock_config``'s (the family's ``ModelFamily.stock_scheduler_config``; :func:`stock_scheduler_config`'s by
+    default; plus the ``_miles_*`` keys, and ``shift`` as that config sets it) and
     ``model_index.json``'s ``scheduler`` entry names its class, so that stock diffusers samples the student's rule
     on the student's grid (call kwargs: :func:`stock_sampling_kwargs`).
 
@@ -222,6 +274,8 @@ def write_sampling_schedule(
         distilled_guidance_scale: the teacher's CFG scale the student was distilled from (reported beside the
             teacher's figures at that scale); None when unknown.
         stock_scheduler: also write the stock diffusers scheduler of the schedule (see above).
+        stock_config: ``stock_config(schedule) -> config``, ``schedule`` = ``{"num_steps", "shift", "step_rule",
+            "num_train_timesteps", "timesteps"}``; None: :func:`stock_scheduler_config` (``StableDiffusion3Pipeline``).
 
     Returns:
         the schedule as :func:`read_sampling_schedule` reads it back.
@@ -243,21 +297,16 @@ def write_sampling_schedule(
     if stock_scheduler:
         # Start from the stock class's own config: the old class's keys (Euler's stochastic_sampling) would make
         # every load warn. Private keys (ours and others') are kept.
-        stock = stock_scheduler_config(
-            num_steps=num_steps,
-            shift=shift,
-            step_rule=step_rule,
-            num_train_timesteps=num_train_timesteps,
-            timesteps=timesteps,
-        )
+        grid = {
+            "num_steps": num_steps,
+            "shift": shift,
+            "step_rule": step_rule,
+            "num_train_timesteps": num_train_timesteps,
+            "timesteps": timesteps,
+        }
+        stock = stock_config(grid) if stock_config is not None else stock_scheduler_config(**grid)
         private = {key: value for key, value in config.items() if key.startswith("_") and key not in stock}
         config = {**stock, **private}
-        if timesteps is None and not _stock_grid_matches(config, schedule):
-            logger.warning(
-                "the installed diffusers builds another grid than %s from %s; sample the export with miles",
-                schedule,
-                path,
-            )
     config[SCHEDULE_KEYS["num_steps"]] = int(num_steps)
     config[SCHEDULE_KEYS["step_rule"]] = step_rule
     config[SCHEDULE_KEYS["timesteps"]] = None if timesteps is None else [float(t) for t in timesteps]
@@ -277,13 +326,18 @@ def write_sampling_schedule(
     return read_sampling_schedule(config)
 
 
-def stock_sampling_kwargs(pipeline_dir: str | os.PathLike) -> dict[str, Any]:
-    """Keyword arguments of ``StableDiffusion3Pipeline.__call__`` that sample an exported student's own schedule.
+def stock_sampling_kwargs(pipeline_dir: str | os.PathLike, family: Any = None) -> dict[str, Any]:
+    """Keyword arguments of the stock pipeline's ``__call__`` that sample an exported student's own schedule.
 
     ``{"num_inference_steps": S, "guidance_scale": w}`` for a student on a shifted grid (the export's scheduler
     config builds the grid from S), ``{"sigmas": [t / 1000, ...], "guidance_scale": w}`` for explicit
-    ``--diffusion-timesteps``; w is the student's own CFG scale (1 for DMD2). Use as
-    ``pipe(prompt, **stock_sampling_kwargs(export))``.
+    ``--diffusion-timesteps``; w is the student's own guidance (1 for DMD2). The family renames them where its
+    pipeline calls them otherwise (``ModelFamily.stock_sampling_kwargs``; Qwen-Image's CFG is ``true_cfg_scale``).
+    Use as ``pipe(prompt, **stock_sampling_kwargs(export))``.
+
+    Args:
+        family: the export's model family; None looks it up by ``model_index.json`` (an unregistered pipeline
+            class keeps the generic names).
 
     Raises:
         FileNotFoundError: when the scheduler config is missing.
@@ -307,4 +361,11 @@ def stock_sampling_kwargs(pipeline_dir: str | os.PathLike) -> dict[str, Any]:
         kwargs["sigmas"] = [t / schedule["num_train_timesteps"] for t in schedule["timesteps"]]
     else:
         kwargs["num_inference_steps"] = schedule["num_inference_steps"]
-    return kwargs
+    if family is None:
+        from miles.models.registry import get_model_family
+
+        try:
+            family = get_model_family(pipeline_dir)
+        except ValueError:
+            return kwargs
+    return family.stock_sampling_kwargs(pipeline_dir, kwargs)

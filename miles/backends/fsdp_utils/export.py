@@ -49,7 +49,7 @@ def write_pipeline(
         out: the export directory; checked by :func:`miles.utils.paths.check_export_target` against ``run_paths``
             (``(flag, path)`` of every directory the run reads or writes) before the copy and again right before
             the rename (it may have appeared during the training).
-        family: the model family (``load_denoiser``, ``stock_scheduler``).
+        family: the model family (``load_denoiser``, ``stock_scheduler``, ``stock_scheduler_config``).
         state_dict: the denoiser's full float32 state dict; with ``lora``, that of the LoRA model (only its adapter
             entries are read: the base is ``src``'s own float32 weights, which training left frozen).
         overwrite: ``--overwrite-save-hf``.
@@ -83,7 +83,12 @@ def write_pipeline(
         shutil.rmtree(tmp / DENOISER)
         model.save_pretrained(tmp / DENOISER)
         if schedule is not None:
-            write_sampling_schedule(tmp, **schedule, stock_scheduler=family.stock_scheduler)
+            write_sampling_schedule(
+                tmp,
+                **schedule,
+                stock_scheduler=family.stock_scheduler,
+                stock_config=family.stock_scheduler_config,
+            )
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(

@@ -132,6 +132,9 @@ def _load(
     model = family.load_denoiser(path, dtype=load_dtype)
     model.train(trainable)
     model.requires_grad_(trainable)
+    if trainable:
+        for name in family.unused_parameters(model):  # no gradient, so no optimizer state a resume could load
+            model.get_parameter(name).requires_grad_(False)
     # Before the move and fully_shard: a converter may wrap layers, freeze the base or checkpoint blocks, and each
     # block's recomputation then runs inside its own FSDP unit.
     for converter in converters:

@@ -75,11 +75,11 @@ def test_the_builtin_families_are_registered_with_their_pipeline_classes(tmp_pat
 
 
 def test_an_unknown_pipeline_class_names_the_registered_ones_and_the_flag(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ValueError, match=r"'FluxPipeline'.*\['DigitsPipeline', 'StableDiffusion3Pipeline'\]"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanDiTPipeline"}))
+    with pytest.raises(ValueError, match=r"'HunyuanDiTPipeline'.*\['DigitsPipeline', .*'StableDiffusion3Pipeline'\]"):
         get_model_family(tmp_path)
-    with pytest.raises(ValueError, match="^--diffusion-model-family flux is unknown; pass a registered name"):
-        family_class("flux")
+    with pytest.raises(ValueError, match="^--diffusion-model-family hunyuan is unknown; pass a registered name"):
+        family_class("hunyuan")
 
 
 @pytest.mark.parametrize(

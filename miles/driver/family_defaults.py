@@ -1,0 +1,47 @@
+"""Defaults a model family gives flags the user left unset: the flow shifts.
+
+``--diffusion-flow-shift`` (the student's sampling grid) and ``--fsdp-flow-shift`` (the trainer's 1000-point grid:
+SFT noise levels, DMD2 scoring) default to the student pipeline's ``ModelFamily.flow_shift`` (the shift its stock
+pipeline samples with at its resolution: ``e^mu`` for Qwen-Image and FLUX.1-dev at their token count), and to
+:data:`DEFAULT_FLOW_SHIFT` where the family has none (``sd3``, ``digits``) or the pipeline cannot be read here (a
+``--dry-run`` for a cluster's paths; preflight names an unreadable pipeline of a real run). Where each value came
+from is kept in ``args.flow_shift_origin`` for the dry run's plan.
+"""
+
+import argparse
+
+__all__ = ["DEFAULT_FLOW_SHIFT", "FLOW_SHIFT_FLAGS", "fill_flow_shifts"]
+
+DEFAULT_FLOW_SHIFT = 3.0
+FLOW_SHIFT_FLAGS = ("diffusion_flow_shift", "fsdp_flow_shift")
+
+
+def _family_shift(args: argparse.Namespace, num_steps: int | None) -> tuple[float, str]:
+    """``(shift, where it came from)`` for an unset flag (``num_steps``: the step count it samples with, if any)."""
+    from miles.models import get_model_family
+
+    path = getattr(args, "hf_checkpoint", None)
+    try:
+        family = get_model_family(path, getattr(args, "diffusion_model_family", None))
+        shift = family.flow_shift(path, num_steps=num_steps)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return DEFAULT_FLOW_SHIFT, f"the default (the pipeline {path} could not be read here: {exc})"
+    if shift is None:
+        return DEFAULT_FLOW_SHIFT, f"the default (the {family.name} family has no flow shift of its own)"
+    return float(shift), f"the {family.name} family's (its stock pipeline's shift at {path}'s resolution)"
+
+
+def fill_flow_shifts(args: argparse.Namespace) -> None:
+    """Set each unset flow-shift flag to the family's shift (module docstring), in place, and record
+    ``args.flow_shift_origin``: ``{"--diffusion-flow-shift": "3 (the default ...)", ...}``."""
+    origin = {}
+    for dest in FLOW_SHIFT_FLAGS:
+        flag = "--" + dest.replace("_", "-")
+        if getattr(args, dest, None) is None:
+            num_steps = getattr(args, "diffusion_num_steps", None) if dest == "diffusion_flow_shift" else None
+            shift, source = _family_shift(args, num_steps)
+            setattr(args, dest, shift)
+            origin[flag] = f"{shift:g}: {source}"
+        else:
+            origin[flag] = f"{getattr(args, dest):g}: set on the command line"
+    args.flow_shift_origin = origin

@@ -1,0 +1,140 @@
+"""What the families of the FLUX-style pipelines share (``qwen_image``, ``flux``): 2×2 latent packing, a sample size
+chosen per pipeline directory, the stock pipeline's flow shift at it, and a static stock scheduler for the export.
+
+miles keeps latents unpacked, ``(B, C, H, W)``; such a family packs them into the transformer's tokens inside its
+``predict_velocity``. A token is one 2×2 patch of latent pixels, its ``4·C`` values laid out as (c, dy, dx), tokens
+in raster order over the ``(H/2, W/2)`` grid (``FluxPipeline._pack_latents`` / ``_unpack_latents``; the same in
+``QwenImagePipeline``). These pipelines call ``scheduler.set_timesteps(sigmas=linspace(1, 1/S, S), mu=...)``
+themselves, so their export carries :func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`.
+"""
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.stock_defaults import dynamic_flow_shift, read_sample_size
+
+__all__ = ["PACK", "PackedDiTFamily", "pack_latents", "unpack_latents"]
+
+# latent pixels per token side
+PACK = 2
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``(B, C, H, W)`` → ``(B, (H/2)·(W/2), 4·C)`` tokens.
+
+    Raises:
+        ValueError: if H or W is odd (the pipelines need latent sizes that are multiples of 2: pixel sizes that are
+            multiples of 16).
+    """
+    batch, channels, height, width = latents.shape
+    if height % PACK or width % PACK:
+        raise ValueError(f"2x2 packing needs an even latent height and width, got {height} x {width}")
+    patches = latents.reshape(batch, channels, height // PACK, PACK, width // PACK, PACK).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(batch, (height // PACK) * (width // PACK), channels * PACK * PACK)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``(B, (H/2)·(W/2), 4·C)`` tokens → ``(B, C, H, W)`` latents: the inverse of :func:`pack_latents`."""
+    batch, _, packed = tokens.shape
+    channels = packed // (PACK * PACK)
+    patches = tokens.reshape(batch, height // PACK, width // PACK, channels, PACK, PACK).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(batch, channels, height, width)
+
+
+class PackedDiTFamily(ModelFamily):
+    """The shared half of a family over a FLUX-style pipeline; a subclass adds its guidance form, the prompts, the
+    forward and the VAE.
+
+    Class attributes:
+        transformer_class: the diffusers class name of ``<path>/transformer``.
+        default_sample_size: ``(height, width)`` the stock pipeline samples without ``height`` / ``width``
+            (``default_sample_size · vae_scale_factor``).
+        compatible_keys: ``{transformer config key: what it is}`` a teacher and a critic must share with the
+            student (they take its latents and prompt encodings; the sample size is the student's to choose).
+    """
+
+    transformer_class: ClassVar[str]
+    default_sample_size: ClassVar[tuple[int, int]] = (1024, 1024)
+    compatible_keys: ClassVar[dict[str, str]] = {}
+
+    def transformer_config(self, path: str | Path) -> dict:
+        """``<path>/transformer/config.json``."""
+        return read_json(Path(path) / DENOISER / "config.json", "transformer config")
+
+    def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``<path>/transformer`` as a :attr:`transformer_class` in eval mode on the CPU.
+
+        Raises:
+            FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
+        """
+        import diffusers
+
+        self.transformer_config(path)  # names the missing file
+        cls = getattr(diffusers, self.transformer_class)
+        return cls.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
+
+    def pixel_size(self, path: str | Path) -> tuple[int, int]:
+        """``(height, width)`` in pixels: ``model_index.json``'s ``_miles_sample_size``, else
+        :attr:`default_sample_size` (:mod:`miles.models.stock_defaults`).
+
+        Raises:
+            ValueError: when a side is not a multiple of 16 (the VAE's 8, times the 2×2 packing).
+        """
+        height, width = read_sample_size(path, self.default_sample_size)
+        if height % 16 or width % 16:
+            raise ValueError(
+                f"{path}: the {self.name} family samples sizes that are multiples of 16, got {height} x {width}"
+            )
+        return height, width
+
+    def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """``(C, H/8, W/8)``: C = the transformer's ``in_channels`` / 4 (the packed channels), H × W the sample
+        size."""
+        height, width = self.pixel_size(path)
+        return (int(self.transformer_config(path)["in_channels"]) // (PACK * PACK), height // 8, width // 8)
+
+    def image_shape(self, path: str | Path) -> tuple[int, int, int]:
+        """``(H, W, 3)``: the sample size (the pixel shape of :class:`~miles.models.capabilities.PixelCodec`)."""
+        height, width = self.pixel_size(path)
+        return (height, width, 3)
+
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float:
+        """The stock pipeline's shift at the sample size's ``(H/16)·(W/16)`` tokens: ``e^mu`` for a dynamic scheduler
+        config, else its static ``shift`` (:func:`~miles.models.stock_defaults.dynamic_flow_shift`)."""
+        height, width = self.pixel_size(path)
+        config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
+        return dynamic_flow_shift(config, (height // 16) * (width // 16))
+
+    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
+        """The transformer config keys of :attr:`compatible_keys`, labelled ``"<what> (<key>)"``."""
+        config = self.transformer_config(path)
+        return {f"{what} ({key})": config.get(key) for key, what in self.compatible_keys.items()}
+
+    def token_grid(self, denoiser: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(H/2, W/2)``: one token per 2×2 patch of latent pixels, in raster order."""
+        _, height, width = latent_shape
+        return height // PACK, width // PACK
+
+    def token_width(self, denoiser: nn.Module) -> int:
+        """``num_attention_heads · attention_head_dim``, the blocks' token width."""
+        return int(denoiser.config.num_attention_heads) * int(denoiser.config.attention_head_dim)
+
+    def image_tokens(self, block_output) -> torch.Tensor:
+        """The joint blocks (and FLUX's single blocks) return ``(text_tokens, image_tokens)``: the image tokens
+        ``(B, N, D)``."""
+        return block_output[1]
+
+    def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
+        """A static stock scheduler with ``shift`` = k: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself."""
+        from miles.models.sampling_schedule import sigmas_call_scheduler_config
+
+        return sigmas_call_scheduler_config(**schedule)
+
+    def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """miles' keywords plus the sample size as ``height`` / ``width`` (the pipeline's default is 1024²)."""
+        height, width = self.pixel_size(path)
+        return {**kwargs, "height": height, "width": width}
