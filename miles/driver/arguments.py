@@ -12,6 +12,7 @@ import argparse
 from miles.driver.family_defaults import fill_flow_shifts
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
+from miles.models.lora import parse_target_modules
 from miles.utils.validation import ArgumentValidationError, rollout_pairs
 
 __all__ = [
@@ -125,6 +126,28 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--gradient-checkpointing",
         action="store_true",
         help="Recompute each transformer block's activations in backward (less memory, ~1/3 more compute).",
+    )
+    group.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="Train the student as a LoRA of this rank on its frozen base (peft); 0 trains full weights.",
+    )
+    group.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="With --lora-rank: lora_alpha (the update is scaled by alpha / rank); default the rank.",
+    )
+    group.add_argument(
+        "--lora-target-modules",
+        type=parse_target_modules,
+        default=None,
+        help="With --lora-rank: module-name suffixes to adapt, e.g. 'to_q,to_k,to_v,to_out.0'; default the "
+        "attention and MLP projections of the diffusers DiTs (miles.models.lora).",
+    )
+    group.add_argument(
+        "--lora-dropout", type=float, default=0.0, help="With --lora-rank: dropout on the adapter's input."
     )
 
 
@@ -303,6 +326,12 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and at the end).")
     group.add_argument(
         "--save-hf", type=str, default=None, help="Export the student as a diffusers pipeline directory at the end."
+    )
+    group.add_argument(
+        "--save-hf-lora",
+        action="store_true",
+        help="With --save-hf and --lora-rank: also write the student's adapter alone to <save-hf>/lora in diffusers' "
+        "LoRA format (pipe.load_lora_weights on the base pipeline); --save-hf itself holds the merged weights.",
     )
     group.add_argument(
         "--overwrite-save-hf",

@@ -281,12 +281,19 @@ def format_count(count: int) -> str:
     return str(count)
 
 
+def _group_lora(group_args) -> LoraSpec | None:
+    from miles.models.lora import lora_settings
+
+    settings = lora_settings(group_args)
+    return None if settings is None else LoraSpec(settings.rank, settings.target_modules)
+
+
 def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting, list[GroupMemory]]:
     """The plan of a parsed command: every trainer group of its method, on DP rank 0.
 
     Args:
-        lora: a LoRA adapter per role (``{"actor": ..., "critic": ...}``); None or a missing role trains full
-            weights. The LoRA flags of issue 19 map onto this.
+        lora: a LoRA adapter per role (``{"actor": ..., "critic": ...}``, a missing role trains full weights); None
+            reads each group's ``--lora-*`` flags (``--critic-lora-*`` for the critic).
 
     Raises:
         FileNotFoundError, ValueError: for a pipeline without a readable transformer config, or one the planner
@@ -301,7 +308,6 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
     from miles.utils.trainer_config import compute_trainer_args
     from miles.utils.validation import dp_size
 
-    lora = lora or {}
     method = get_method(args)
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     student = transformer_config(args.hf_checkpoint)
@@ -332,7 +338,7 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
             role=trainer.role,
             config=transformer_config(group_args.hf_checkpoint),
             teacher=transformer_config(group_args.teacher_load) if group_args.teacher_load else None,
-            lora=lora.get(trainer.role),
+            lora=_group_lora(group_args) if lora is None else lora.get(trainer.role),
             build_extra=build_extra,
             ema=bool(group_args.ema_decay),
             batch=method.train_forward_batch(group_args),

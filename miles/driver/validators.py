@@ -21,6 +21,7 @@ __all__ = [
     "run_paths",
     "validate_args",
     "validate_batch_args",
+    "validate_lora_args",
     "validate_method_flags",
     "validate_number_args",
 ]
@@ -137,7 +138,31 @@ def validate_args(args: argparse.Namespace) -> None:
         # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
         check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
     validate_number_args(args)
+    validate_lora_args(args)
     get_method(args).validate(args)
+
+
+def validate_lora_args(args: argparse.Namespace) -> None:
+    """The student's ``--lora-*`` flags (:func:`miles.models.lora.check_lora_flags`); a LoRA flag without
+    ``--lora-rank`` is rejected, as it would change nothing."""
+    from miles.models.lora import check_lora_flags
+
+    if not args.lora_rank:
+        for name, value, default in (
+            ("--lora-alpha", args.lora_alpha, None),
+            ("--lora-target-modules", args.lora_target_modules, None),
+            ("--lora-dropout", args.lora_dropout, 0.0),
+        ):
+            if value != default:
+                reject(f"{name} is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank")
+    check_lora_flags("--", args, args.hf_checkpoint)
+    if args.save_hf_lora and not (args.save_hf and args.lora_rank):
+        reject("--save-hf-lora writes the student's adapter beside --save-hf: it needs --save-hf and --lora-rank")
+    if args.lora_rank and args.rollout_num_gpus:
+        reject(
+            "--lora-rank with --rollout-num-gpus is not supported yet (the engine replicas load full weights): "
+            "drop --rollout-num-gpus to generate on the actor ranks"
+        )
 
 
 def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -18,7 +18,10 @@ its own features and trains it, and its backbone, on the student's samples again
 gradient, which the student adds with ``--dmd2-gan-gen-weight``. Reference values (tianweiy/DMD2): disc 1e-2,
 gen 1e-3 (SD1.5) to 5e-3 (SDXL).
 
-LoRA, teacher adapters and a reference model are not implemented by this project, so their flags do not exist.
+LoRA (``--lora-rank`` for the student, ``--critic-lora-rank`` for the critic, the latter defaulting to the former):
+a critic LoRA sits on the teacher's own weights, so the critic group holds one base and the teacher is that base with
+the adapters disabled (:mod:`miles.models.lora`). Teacher adapters and a reference model are not implemented, so
+their flags do not exist.
 """
 
 import argparse
@@ -31,6 +34,7 @@ from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
+from miles.models.lora import check_lora_flags, parse_target_modules
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
@@ -63,6 +67,10 @@ DMD2_GAN_CRITIC_HOOKS = {
     "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_gan_batch),
     "custom_loss_function_path": hook_path(dmd2_loss.critic_gan_loss),
 }
+
+
+# The student's LoRA flags (dests) the critic's --critic-* copies default to and map onto in the critic's args.
+CRITIC_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")
 
 
 def _int_list(text: str) -> list[int]:
@@ -169,6 +177,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         )
     if args.dmd2_gan_eval_real_data and not args.eval_interval:
         reject("--dmd2-gan-eval-real-data is read at evaluations only: set --eval-interval, or remove it")
+    check_lora_flags("--critic-", args, args.critic_load, teacher=args.teacher_load)
 
 
 def _validate_scoring_sigma(args: argparse.Namespace) -> None:
@@ -192,8 +201,8 @@ class DMD2Method(Method):
         # One add_argument call per flag, shaped like the generic ones (miles/driver/arguments.py).
         group = parser.add_argument_group(
             "DMD2",
-            "Distribution matching distillation (Yin et al. 2024). LoRA, teacher adapters and a reference model are "
-            "not implemented, so their upstream flags do not exist. Read only by --loss-type dmd2.",
+            "Distribution matching distillation (Yin et al. 2024). Teacher adapters and a reference model are not "
+            "implemented, so their upstream flags do not exist. Read only by --loss-type dmd2.",
         )
         group.add_argument(
             "--critic-load",
@@ -202,6 +211,28 @@ class DMD2Method(Method):
             help="Critic (fake score) init pipeline directory; defaults to --teacher-load.",
         )
         group.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate; defaults to --lr.")
+        group.add_argument(
+            "--critic-lora-rank",
+            type=int,
+            default=None,
+            help="Train the critic as a LoRA of this rank on the teacher's weights (one base in the critic group; "
+            "the teacher runs with the adapters off); 0 trains full weights. Defaults to --lora-rank.",
+        )
+        group.add_argument(
+            "--critic-lora-alpha", type=float, default=None, help="Critic's lora_alpha; defaults to --lora-alpha."
+        )
+        group.add_argument(
+            "--critic-lora-target-modules",
+            type=parse_target_modules,
+            default=None,
+            help="Critic's LoRA target modules; defaults to --lora-target-modules.",
+        )
+        group.add_argument(
+            "--critic-lora-dropout",
+            type=float,
+            default=None,
+            help="Critic's LoRA dropout; defaults to --lora-dropout.",
+        )
         group.add_argument(
             "--dmd2-critic-steps-per-rollout",
             type=int,
@@ -328,7 +359,15 @@ class DMD2Method(Method):
         )
 
     def set_defaults(self, args: argparse.Namespace) -> None:
-        fill_defaults(args, {**DMD2_ACTOR_HOOKS, "critic_load": args.teacher_load, "critic_lr": args.lr})
+        fill_defaults(
+            args,
+            {
+                **DMD2_ACTOR_HOOKS,
+                "critic_load": args.teacher_load,
+                "critic_lr": args.lr,
+                **{f"critic_{name}": getattr(args, name) for name in CRITIC_LORA_FLAGS},
+            },
+        )
         if args.dmd2_teacher_guidance_scale > 1:
             # The teacher's CFG in scoring needs every sample's negative cond, though the student samples unguided.
             args.encode_negative_prompt = True
@@ -370,6 +409,7 @@ class DMD2Method(Method):
             "global_batch_size": rollout_pairs(args) // k,
             **DMD2_CRITIC_HOOKS,
             "train_output_before_step": k - 1 if args.dmd2_critic_scoring == "original" else None,
+            **{name: getattr(args, f"critic_{name}") for name in CRITIC_LORA_FLAGS},
         }
         if gan_enabled(args):
             critic.update(DMD2_GAN_CRITIC_HOOKS)

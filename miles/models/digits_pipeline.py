@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput, SD3Transformer2DModel
+from diffusers.loaders import SD3LoraLoaderMixin
 
 from miles.models.base import encode_one_prompt
 from miles.models.digits import DigitsFamily
@@ -63,8 +64,11 @@ logger = logging.getLogger(__name__)
 _EVAL_ROLLOUT_ID = "eval"  # the noise-seed key of sample_latents' evaluation draws
 
 
-class DigitsPipeline(DiffusionPipeline):
+class DigitsPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
     """Text-to-digit flow-matching pipeline over 8×8 pixel latents (no VAE).
+
+    LoRA: diffusers' SD3 loader (``load_lora_weights``, ``fuse_lora``), whose text-encoder parts find no encoder here
+    (the MiniLM encoder is no ``nn.Module`` component) and load only into the transformer.
 
     Args:
         transformer: the velocity model ``v = ε − x0`` at ``timestep = σ·1000``.
@@ -76,6 +80,9 @@ class DigitsPipeline(DiffusionPipeline):
     """
 
     model_cpu_offload_seq = "transformer"
+    # SD3LoraLoaderMixin reads these; the digits prompt encoder is not a torch module, so no adapter goes on it.
+    text_encoder = None
+    text_encoder_2 = None
 
     def __init__(self, transformer: SD3Transformer2DModel, scheduler: FlowMatchEulerDiscreteScheduler) -> None:
         super().__init__()

@@ -34,6 +34,7 @@ from miles.backends.fsdp_utils.export import write_pipeline
 from miles.backends.fsdp_utils.hooks import load_hooks
 from miles.backends.fsdp_utils.trainer import GroupTrainer, group_trainer_class, timed
 from miles.models.capabilities import decode_latents
+from miles.models.lora import lora_settings
 from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import ProcessGroupCollectives
 from miles.utils.device import worker_device
@@ -134,7 +135,7 @@ class FSDPTrainRayActor:
         return {
             "device": str(self.device),
             "trainable_parameters": sum(p.numel() for p in models.trainable_parameters()),
-            "frozen_parameters": sum(p.numel() for model in models.frozen.values() for p in model.parameters()),
+            "frozen_parameters": sum(p.numel() for p in models.frozen_parameters()),
             "sharded": self.world_size > 1,
             "bytes": self.memory_bytes(),
         }
@@ -305,6 +306,8 @@ class FSDPTrainRayActor:
                 schedule,
                 overwrite=self.args.overwrite_save_hf,
                 run_paths=run_paths or [],
+                lora=lora_settings(self.args),
+                save_lora=self.args.save_hf_lora,
             )
             logger.debug("exported %s pipeline to %s", self.role, out_dir)
         self.collectives.barrier()

@@ -5,16 +5,25 @@ or wraps a module before ``fully_shard`` (LoRA adapters, low-precision layers, a
 which of the module's state a checkpoint keeps. A converter may freeze parameters (``requires_grad_(False)``): the
 optimizer, the EMA, the gradient clip and the checkpoint see only the parameters left trainable.
 
-A group's converters come from its args (:func:`build_converters`); gradient checkpointing is the built-in one.
+A group's converters come from its args (:func:`build_converters`): gradient checkpointing and LoRA.
 """
 
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from miles.models.base import DENOISER
+from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, lora_settings
 
-__all__ = ["GradientCheckpointing", "ModelConverter", "build_converters", "keeps_in_checkpoint"]
+__all__ = [
+    "GradientCheckpointing",
+    "LoraAdapter",
+    "ModelConverter",
+    "build_converters",
+    "keeps_in_checkpoint",
+    "lora_converter",
+]
 
 
 class ModelConverter(Protocol):
@@ -45,9 +54,62 @@ class GradientCheckpointing:
         return True
 
 
+class LoraAdapter:
+    """``--lora-rank`` (``--critic-lora-rank`` for the critic): a peft LoRA adapter on the denoiser, added through
+    diffusers' adapter API before sharding (torchtitan's ``components/lora`` converter does the same).
+
+    The base weights are frozen and cast to the compute dtype (nothing updates them, so they need no float32 master
+    copy); the adapter's ``lora_A`` / ``lora_B`` stay float32 and are all the optimizer, the EMA and the gradient clip
+    see. A checkpoint keeps only the adapter of the denoiser (and every other trainable module, e.g. the GAN head):
+    the base reloads from ``--hf-checkpoint``.
+
+    Args:
+        settings: rank, alpha, target modules, dropout.
+        compute_dtype: the dtype of the frozen base (``--train-dtype``).
+    """
+
+    def __init__(self, settings: LoraSettings, compute_dtype: torch.dtype, component: str = DENOISER) -> None:
+        self.settings, self.compute_dtype, self.component = settings, compute_dtype, component
+
+    def convert(self, name: str, module: nn.Module) -> None:
+        if name != self.component:
+            return
+        # nn.Module's own cast: diffusers' ModelMixin.to warns about fp32-kept modules, which the base has none of.
+        nn.Module.to(module, self.compute_dtype)
+        add_lora_adapter(
+            module,
+            ADAPTER_NAME,
+            self.settings.rank,
+            alpha=self.settings.alpha,
+            target_modules=self.settings.target_modules,
+            dropout=self.settings.dropout,
+        )
+        for _, param in adapter_parameters(module, ADAPTER_NAME):
+            param.data = param.data.float()
+
+    def keeps_in_checkpoint(self, key: str) -> bool:
+        if not key.startswith(self.component + "."):
+            return True
+        return f".{ADAPTER_NAME}." in key
+
+
 def build_converters(args) -> list[ModelConverter]:
-    """The converters a group's args ask for, in the order they apply."""
-    return [GradientCheckpointing()] if args.gradient_checkpointing else []
+    """The converters a group's args ask for, in the order they apply: LoRA first (gradient checkpointing then
+    wraps the blocks that hold the adapters)."""
+    from miles.backends.fsdp_utils.model import resolve_dtype
+
+    converters: list[ModelConverter] = []
+    settings = lora_settings(args)
+    if settings is not None:
+        converters.append(LoraAdapter(settings, resolve_dtype(args.train_dtype)))
+    if args.gradient_checkpointing:
+        converters.append(GradientCheckpointing())
+    return converters
+
+
+def lora_converter(converters: list[ModelConverter]) -> LoraAdapter | None:
+    """The group's LoRA converter, if it has one."""
+    return next((converter for converter in converters if isinstance(converter, LoraAdapter)), None)
 
 
 def keeps_in_checkpoint(converters: list[ModelConverter], key: str) -> bool:

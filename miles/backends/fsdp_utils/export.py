@@ -14,10 +14,14 @@ import torch
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.models.base import DENOISER
+from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, merge_lora
 from miles.utils.paths import check_export_target, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
-__all__ = ["write_pipeline"]
+__all__ = ["LORA_DIR", "write_pipeline"]
+
+# The adapter's subdirectory of a --save-hf-lora export.
+LORA_DIR = "lora"
 
 
 def write_pipeline(
@@ -29,6 +33,8 @@ def write_pipeline(
     *,
     overwrite: bool,
     run_paths: list[tuple[str, str]],
+    lora: LoraSettings | None = None,
+    save_lora: bool = False,
 ) -> None:
     """Write ``src``'s pipeline with ``state_dict`` as its denoiser to ``out``.
 
@@ -44,8 +50,14 @@ def write_pipeline(
             (``(flag, path)`` of every directory the run reads or writes) before the copy and again right before
             the rename (it may have appeared during the training).
         family: the model family (``load_denoiser``, ``stock_scheduler``, ``stock_scheduler_config``).
-        state_dict: the denoiser's full float32 state dict.
+        state_dict: the denoiser's full float32 state dict; with ``lora``, that of the LoRA model (only its adapter
+            entries are read: the base is ``src``'s own float32 weights, which training left frozen).
         overwrite: ``--overwrite-save-hf``.
+        lora: the student's LoRA (``--lora-rank``): ``transformer/`` then holds the merged weights
+            ``W + (alpha / r)·B·A`` (:func:`miles.models.lora.merge_lora`), which stock diffusers loads as today.
+        save_lora: ``--save-hf-lora``: also write the adapter alone to ``<out>/lora/`` in diffusers' LoRA format
+            (``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A.weight`` and the adapter config
+            as metadata), which ``pipe.load_lora_weights(out / "lora")`` loads on the base pipeline.
 
     Raises:
         ArgumentValidationError: if ``out`` may not be written (see ``check_export_target``).
@@ -61,7 +73,13 @@ def write_pipeline(
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=_hidden)
         model = family.load_denoiser(str(src), dtype=torch.float32)
-        model.load_state_dict(state_dict)
+        if lora is None:
+            model.load_state_dict(state_dict)
+        else:
+            _load_adapter(model, lora, state_dict)
+            if save_lora:
+                _write_adapter(model, tmp / LORA_DIR)
+            merge_lora(model)
         shutil.rmtree(tmp / DENOISER)
         model.save_pretrained(tmp / DENOISER)
         if schedule is not None:
@@ -83,6 +101,35 @@ def write_pipeline(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     replace_dir(tmp, out, out.parent / f".{out.name}.miles-export.stale")
+
+
+def _load_adapter(model: torch.nn.Module, lora: LoraSettings, state_dict: dict[str, torch.Tensor]) -> None:
+    """Add the student's adapter to ``model`` (the source's float32 denoiser) and load its trained entries."""
+    add_lora_adapter(
+        model, ADAPTER_NAME, lora.rank, alpha=lora.alpha, target_modules=lora.target_modules, dropout=lora.dropout
+    )
+    adapter = {key: value for key, value in state_dict.items() if f".{ADAPTER_NAME}." in key}
+    expected = {name for name, _ in adapter_parameters(model, ADAPTER_NAME)}
+    if set(adapter) != expected:
+        raise ValueError(
+            f"the trained LoRA state has {len(adapter)} adapter entries, the export's adapter {len(expected)}; "
+            "the --lora-* flags differ from the training's"
+        )
+    model.load_state_dict(adapter, strict=False)
+
+
+def _write_adapter(model: torch.nn.Module, out: Path) -> None:
+    """The adapter alone in diffusers' LoRA format: peft's state dict without the adapter name, under the
+    ``transformer.`` prefix, with the ``LoraConfig`` as safetensors metadata (so alpha ≠ rank loads right)."""
+    from diffusers.loaders import SD3LoraLoaderMixin
+    from peft.utils import get_peft_model_state_dict
+
+    layers = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    metadata = model.peft_config[ADAPTER_NAME].to_dict()
+    # Every DiT pipeline's loader reads this transformer-only layout; SD3's writer is one of them.
+    SD3LoraLoaderMixin.save_lora_weights(
+        out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
+    )
 
 
 def _hidden(directory: str, names: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """Load a denoiser through its model family and shard it with FSDP2.
 
-A trainable denoiser's converters (:mod:`miles.backends.fsdp_utils.converters`: activation checkpointing, later LoRA)
+A trainable denoiser's converters (:mod:`miles.backends.fsdp_utils.converters`: LoRA, activation checkpointing)
 are applied before sharding, as torchtitan applies its ``ModelConverter``s before ``fully_shard``.
 
 With one DP rank the module is not wrapped at all, as torchtitan does with ``dp_shard = 1``: sharding over one rank

@@ -4,8 +4,11 @@
 module is the same on every rank and every run):
 
 1. the trainable denoiser of ``--hf-checkpoint`` (float32 master weights), changed by the group's converters and
-   sharded over the mesh (:mod:`miles.backends.fsdp_utils.model`);
-2. the frozen teacher of ``--teacher-load``, if any, in the compute dtype;
+   sharded over the mesh (:mod:`miles.backends.fsdp_utils.model`); with ``--lora-rank`` a frozen base in the compute
+   dtype and float32 adapters;
+2. the frozen teacher of ``--teacher-load``, if any, in the compute dtype; when the group's denoiser is a LoRA on
+   the teacher's own weights (the DMD2 critic with ``--critic-lora-rank``), no second copy: the teacher is the
+   denoiser with its adapters disabled (:class:`miles.models.lora.AdaptersDisabled`), one base per group;
 3. the modules a method builds on the denoiser (``--custom-build-modules-path``: the DMD2 GAN's discriminator head),
    converted and sharded like the denoiser;
 
@@ -14,6 +17,7 @@ froze are left out of the optimizer, the EMA, the gradient clip and (as the conv
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,14 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import ModulesState, RNGState, SchedulerState
-from miles.backends.fsdp_utils.converters import ModelConverter, keeps_in_checkpoint
+from miles.backends.fsdp_utils.converters import ModelConverter, keeps_in_checkpoint, lora_converter
 from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.models.lora import AdaptersDisabled
 from miles.utils.misc import load_function
 from miles.utils.validation import HookResultError
 
-__all__ = ["DENOISER", "ModelSet", "build_model_set", "local_bytes"]
+__all__ = ["DENOISER", "ModelSet", "build_model_set", "local_bytes", "shares_teacher_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,17 @@ class ModelSet:
         """The parameters the optimizer updates (a converter may have frozen others)."""
         return [param for param in self.trainable.parameters() if param.requires_grad]
 
+    def frozen_parameters(self) -> list[nn.Parameter]:
+        """Every frozen parameter once: the frozen models' and a LoRA base's (a teacher that is the base with its
+        adapters disabled shares the base's tensors)."""
+        seen, params = set(), []
+        models = [*self.frozen.values(), self.trainable]
+        for param in (p for model in models for p in model.parameters() if not p.requires_grad):
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        return params
+
     def modules(self) -> list[nn.Module]:
         """Every module of the set, trainable first."""
         return [*self.trainable.values(), *self.frozen.values()]
@@ -98,8 +114,8 @@ class ModelSet:
             reshard(module)
 
     def memory_bytes(self, gradient_bytes: int = 0) -> dict[str, int]:
-        """Bytes this rank holds at rest: trainable parameters (its shards), ``gradient_bytes`` (the last step's),
-        the optimizer state and the frozen models."""
+        """Bytes this rank holds at rest: trainable parameters (its shards; with LoRA the adapters), ``gradient_bytes``
+        (the last step's), the optimizer state and the frozen weights (the teacher, a LoRA base; each tensor once)."""
         optim = sum(
             local_bytes(value)
             for state in self.optimizer.state.values()
@@ -107,10 +123,10 @@ class ModelSet:
             if isinstance(value, torch.Tensor)
         )
         return {
-            "parameters": sum(local_bytes(p) for p in self.trainable.parameters()),
+            "parameters": sum(local_bytes(p) for p in self.trainable_parameters()),
             "gradients": gradient_bytes,
             "optimizer": optim,
-            "frozen": sum(local_bytes(p) for model in self.frozen.values() for p in model.parameters()),
+            "frozen": sum(local_bytes(p) for p in self.frozen_parameters()),
         }
 
 
@@ -145,6 +161,14 @@ def _built_modules(
     return built
 
 
+def shares_teacher_base(args, converters: list[ModelConverter]) -> bool:
+    """Whether the group's denoiser is a LoRA on the teacher's weights (``--hf-checkpoint`` is ``--teacher-load``),
+    so that the teacher is its base with the adapters disabled instead of a second loaded copy."""
+    if lora_converter(converters) is None or not args.teacher_load:
+        return False
+    return os.path.realpath(args.hf_checkpoint) == os.path.realpath(args.teacher_load)
+
+
 def build_model_set(
     args,
     family: Any,
@@ -172,7 +196,9 @@ def build_model_set(
         family, args.hf_checkpoint, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
     )
     frozen = {}
-    if args.teacher_load:
+    if args.teacher_load and shares_teacher_base(args, converters):
+        frozen[DENOISER] = AdaptersDisabled(denoiser)
+    elif args.teacher_load:
         frozen[DENOISER] = load_frozen_denoiser(
             family, args.teacher_load, mesh, device, dtype, reshard_after_forward=reshard_after_forward
         )

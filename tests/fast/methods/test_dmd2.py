@@ -362,6 +362,41 @@ def test_dmd2_actor_copy_differs_only_by_dropping_the_teacher():
     assert vars(args) == snapshot
 
 
+def test_critic_lora_flags_default_to_the_students_and_map_onto_the_critic_group():
+    from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, LoraSettings, lora_settings
+
+    args = parse_args([*DMD2, "--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "to_q,to_v"])
+    critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
+    assert lora_settings(actor) == lora_settings(critic) == LoraSettings(8, 16.0, ("to_q", "to_v"), 0.0)
+    args = parse_args([*DMD2, "--lora-rank", "8", "--critic-lora-rank", "4", "--critic-lora-dropout", "0.1"])
+    critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
+    assert lora_settings(critic) == LoraSettings(4, 4.0, DEFAULT_LORA_TARGET_MODULES, 0.1)
+    assert lora_settings(actor) == LoraSettings(8, 8.0, DEFAULT_LORA_TARGET_MODULES, 0.0)
+    args = parse_args([*DMD2, "--lora-rank", "8", "--critic-lora-rank", "0"])
+    critic = compute_trainer_args(args, compute_trainer_configs(args)[0])
+    assert lora_settings(critic) is None  # a full-weight critic beside a LoRA student
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--critic-lora-rank", "-1"], "--critic-lora-rank must be >= 0 (0 trains full weights), got -1"),
+        (["--critic-lora-rank", "4", "--critic-lora-alpha", "0"], "--critic-lora-alpha must be > 0"),
+        (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be"),
+        (["--lora-alpha", "8"], "--lora-alpha is read with --lora-rank > 0 only"),
+        (
+            ["--critic-lora-rank", "4", "--critic-load", "/models/critic_init"],
+            "--critic-lora-rank puts the critic's adapter on the teacher's weights (one base in the critic group): "
+            "--critic-load /models/critic_init must be --teacher-load /models/teacher",
+        ),
+        (["--save-hf-lora"], "--save-hf-lora writes the student's adapter beside --save-hf"),
+    ],
+    ids=["rank-negative", "alpha-zero", "dropout-one", "alpha-without-rank", "critic-base-not-teacher", "no-lora"],
+)
+def test_bad_lora_flags_rejected_in_one_line(extra, message, capsys):
+    assert message in _rejection([*DMD2, *extra], capsys)
+
+
 def test_the_discriminator_evaluation_pairs_each_real_with_the_next_other_prompt():
     from miles.methods.dmd2_disc_eval import wrong_prompts
 

@@ -120,8 +120,8 @@ def test_predict_velocity_is_the_transformer_output(pipeline):
 
 
 def test_unknown_pipeline_class_is_rejected(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ValueError, match="FluxPipeline"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanDiTPipeline"}))
+    with pytest.raises(ValueError, match="HunyuanDiTPipeline"):
         get_model_family(tmp_path)
     with pytest.raises(ValueError, match="--diffusion-model-family"):
         get_model_family(tmp_path, override="flux")
