@@ -503,7 +503,9 @@ COMMANDS: dict[str, Callable] = {
         message="--diffusion-model-family tests.support.toy_video_family.ToyPromptEncoder is <class",
     ),
     "model-family-unknown-name": flag_case(
-        "--diffusion-model-family", "flux", message="--diffusion-model-family flux is unknown; pass a registered name"
+        "--diffusion-model-family",
+        "hunyuan",
+        message="--diffusion-model-family hunyuan is unknown; pass a registered name",
     ),
     # data files
     "prompt-data-missing": flag_case(

@@ -124,5 +124,5 @@ def test_unknown_pipeline_class_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="HunyuanDiTPipeline"):
         get_model_family(tmp_path)
     with pytest.raises(ValueError, match="--diffusion-model-family"):
-        get_model_family(tmp_path, override="flux")
+        get_model_family(tmp_path, override="hunyuan")
     assert get_model_family(tmp_path, override="digits").name == "digits"
