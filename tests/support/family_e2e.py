@@ -46,7 +46,7 @@ EXACT_KEYS = [
 ]
 
 
-def _photos(folder: Path) -> Path:
+def write_photos(folder: Path) -> Path:
     """Four 32 × 32 crops of scikit-learn's two sample photos (real JPEGs), saved as png, with a caption each."""
     from sklearn.datasets import load_sample_images
 
@@ -77,7 +77,7 @@ def write_inputs(root: Path, write_pipeline, negative_prompt: str = "") -> dict:
     argv = [pipeline, source, cache, "--negative-prompt", negative_prompt, "--batch-size", "2"]
     assert prompt_cache([str(each) for each in argv]) == 0
     real = root / "real"
-    assert encode_images([str(pipeline), str(_photos(root / "photos")), str(real)]) == 0
+    assert encode_images([str(pipeline), str(write_photos(root / "photos")), str(real)]) == 0
     return {
         "pipeline": pipeline,
         "prompts": cache / "prompts.jsonl",
