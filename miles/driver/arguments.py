@@ -13,7 +13,7 @@ from miles.driver.family_defaults import fill_flow_shifts
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
 from miles.models.lora import parse_target_modules
-from miles.utils.validation import ArgumentValidationError, rollout_pairs
+from miles.utils.validation import ArgumentValidationError, float_list, rollout_pairs
 
 __all__ = [
     "ArgumentValidationError",
@@ -43,13 +43,6 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.replace(",", " ").split()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from exc
 
 
 # One add_argument call per flag, here and in each method's add_arguments: the repeated shape is argparse's API (a
@@ -107,7 +100,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--diffusion-model-family",
         type=str,
         default=None,
-        help="Model family: a registered name (sd3, digits) or a dotted path to a family class "
+        help="Model family: a registered name (sd3, digits, qwen_image, flux, flux2, wan) or a dotted path to a family class "
         "(my_pkg.family.MyFamily); default: the registered family of --hf-checkpoint's model_index.json.",
     )
     group.add_argument(
@@ -259,7 +252,7 @@ def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--diffusion-timesteps",
-        type=_float_list,
+        type=float_list,
         default=None,
         help="Explicit descending student timesteps in (0, 1000], e.g. '1000,750,500,250'; overrides steps/shift.",
     )

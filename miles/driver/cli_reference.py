@@ -46,7 +46,7 @@ def _type_cell(action: argparse.Action) -> str:
     if action.type is None:
         return "str"
     name = getattr(action.type, "__name__", type(action.type).__name__)
-    # Converter functions are named for what they return (``_float_list`` -> "float list"); their help gives syntax.
+    # Converter functions are named for what they return (``float_list`` -> "float list"); their help gives syntax.
     return name.strip("_").replace("_", " ")
 
 

@@ -39,7 +39,7 @@ from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.trainer_config import TrainerConfig, sibling_dir
 from miles.utils.types import SideInput
-from miles.utils.validation import check_number, dp_size, reject, rollout_pairs
+from miles.utils.validation import check_number, dp_size, int_list, reject, rollout_pairs
 
 __all__ = [
     "DMD2Method",
@@ -71,13 +71,6 @@ DMD2_GAN_CRITIC_HOOKS = {
 
 # The student's LoRA flags (dests) the critic's --critic-* copies default to and map onto in the critic's args.
 CRITIC_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.replace(",", " ").split()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of block indices, got {text!r}") from exc
 
 
 def gan_enabled(args: argparse.Namespace) -> bool:
@@ -316,7 +309,7 @@ class DMD2Method(Method):
         )
         group.add_argument(
             "--dmd2-gan-feature-blocks",
-            type=_int_list,
+            type=int_list,
             default=None,
             help="Phase 2: critic blocks whose image tokens feed the head, e.g. '6,12'; default the middle one.",
         )

@@ -19,6 +19,8 @@ __all__ = [
     "check_number",
     "dp_size",
     "flag",
+    "float_list",
+    "int_list",
     "is_finite",
     "reject",
     "rollout_pairs",
@@ -115,3 +117,28 @@ def check_number(
     too_high = high is not None and (value >= high if high_open else value > high)
     if too_low or too_high:
         reject(f"{name} must be {_interval(low, high, low_open, high_open)}{suffix}, got {value}")
+
+
+def _number_list(text: str, kind: type) -> list:
+    try:
+        return [kind(part) for part in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from exc
+
+
+def float_list(text: str) -> list[float]:
+    """An argparse type: ``"1, 0.5 0.25"`` → ``[1.0, 0.5, 0.25]`` (commas or spaces).
+
+    Raises:
+        argparse.ArgumentTypeError: for a part that is not a number (argparse prints it on one line, exit 2).
+    """
+    return _number_list(text, float)
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: ``"6,12"`` → ``[6, 12]`` (commas or spaces).
+
+    Raises:
+        argparse.ArgumentTypeError: for a part that is not an integer (argparse prints it on one line, exit 2).
+    """
+    return _number_list(text, int)
