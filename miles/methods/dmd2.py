@@ -402,8 +402,12 @@ class DMD2Method(Method):
             "global_batch_size": rollout_pairs(args) // k,
             **DMD2_CRITIC_HOOKS,
             "train_output_before_step": k - 1 if args.dmd2_critic_scoring == "original" else None,
-            **{name: getattr(args, f"critic_{name}") for name in CRITIC_LORA_FLAGS},
         }
+        # Only LoRA runs override the critic's LoRA flags, so a full-weight run's plan lists none of them.
+        if args.critic_lora_rank:
+            critic.update({name: getattr(args, f"critic_{name}") for name in CRITIC_LORA_FLAGS})
+        elif args.lora_rank:
+            critic["lora_rank"] = 0  # a LoRA student beside a full-weight critic
         if gan_enabled(args):
             critic.update(DMD2_GAN_CRITIC_HOOKS)
         return [TrainerConfig("critic", critic), TrainerConfig("actor", {"teacher_load": None})]
