@@ -198,7 +198,7 @@ def test_the_adapter_export_loads_with_stock_diffusers_and_samples_as_the_merged
         assert torch.allclose(velocity["merged"], _velocity(family, model), atol=1e-5, rtol=0)  # the trained one
         assert not torch.allclose(_velocity(family, plain.transformer), velocity["merged"], atol=1e-3)
     prompts = [f"a photo of the digit {d}" for d in range(4)]
-    got, expected = (pipe(prompts, num_inference_steps=4, seed=11).astype(int) for pipe in (base, merged))
+    got, expected = (pipe(prompts, num_inference_steps=4, seed=11).images.astype(int) for pipe in (base, merged))
     assert abs(got - expected).max() <= 1  # the same images, to uint8 rounding
 
 
