@@ -189,6 +189,16 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     from miles.methods import get_method
 
     pipelines = _group_pipelines(args)
+    if args.diffusion_model_family:
+        # Before the family reads any config: a mismatch would otherwise surface as a missing key, or after Ray.
+        from miles.models import family_class
+
+        try:
+            family = family_class(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
+        for label, path in pipelines:
+            preflight_models.check_family_matches(label, path, family)
     for label, path in pipelines:
         _check_pipeline(label, path, args.diffusion_model_family)
     preflight_models.check_compatible(args, pipelines)

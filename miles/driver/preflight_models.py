@@ -103,6 +103,28 @@ def _signature(flag: str, pipeline: str, family) -> dict:
         reject(f"{flag} {pipeline}: cannot read the {family.name} family's compatibility figures ({exc})")
 
 
+def check_family_matches(flag: str, pipeline: str, family) -> None:
+    """A family named by ``--diffusion-model-family`` must load the pipeline class ``pipeline``'s model_index.json
+    names (one of its ``pipeline_classes``); a family that declares none is trusted.
+
+    Raises:
+        ArgumentValidationError: one line naming both flags, the pipeline's class and the family's classes.
+    """
+    from miles.models.registry import pipeline_class_name
+
+    try:
+        class_name = pipeline_class_name(pipeline)
+    except (OSError, ValueError) as exc:
+        reject(f"{flag} {pipeline}: {exc}")
+    classes = tuple(getattr(family, "pipeline_classes", ()) or ())
+    if classes and class_name not in classes:
+        reject(
+            f"--diffusion-model-family {family.name} does not match {flag} {pipeline}: its model_index.json names "
+            f"{class_name}, and the {family.name} family loads {', '.join(classes)}; drop the flag (the family is "
+            "read from model_index.json) or name the family of that pipeline"
+        )
+
+
 def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]]) -> None:
     """The teacher and the critic take the student's latents and prompt encodings: their denoisers must share the
     student's (the first pipeline's) family and the figures of its ``compatibility_signature`` (for SD3: latent

@@ -135,13 +135,13 @@ def family_class(name: str) -> type:
     return families[name]
 
 
-def family_class_for_pipeline(path: str | Path) -> type:
-    """The registered family whose ``pipeline_classes`` hold the ``_class_name`` of ``<path>/model_index.json``.
+def pipeline_class_name(path: str | Path) -> str | None:
+    """The pipeline class ``<path>/model_index.json`` names (``_class_name``; the class of diffusers' custom-pipeline
+    form ``["<module file>", "<class>"]``), None when it names none.
 
     Raises:
         FileNotFoundError: when ``model_index.json`` is missing.
-        ValueError: when ``model_index.json`` is not a JSON object, or no registered family reads that pipeline
-            class.
+        ValueError: when it is not a JSON object.
     """
     model_index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
     if not isinstance(model_index, dict):
@@ -153,6 +153,18 @@ def family_class_for_pipeline(path: str | Path) -> type:
     if isinstance(class_name, list) and len(class_name) == 2:
         # diffusers' custom-pipeline form ["<module file in the directory>", "<class>"] (the digits exports).
         class_name = class_name[1]
+    return class_name
+
+
+def family_class_for_pipeline(path: str | Path) -> type:
+    """The registered family whose ``pipeline_classes`` hold the ``_class_name`` of ``<path>/model_index.json``.
+
+    Raises:
+        FileNotFoundError: when ``model_index.json`` is missing.
+        ValueError: when ``model_index.json`` is not a JSON object, or no registered family reads that pipeline
+            class.
+    """
+    class_name = pipeline_class_name(path)
     families = registered_families()
     for cls in families.values():
         if class_name in cls.pipeline_classes:

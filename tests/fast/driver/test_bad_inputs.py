@@ -502,6 +502,11 @@ COMMANDS: dict[str, Callable] = {
         "tests.support.toy_video_family.ToyPromptEncoder",
         message="--diffusion-model-family tests.support.toy_video_family.ToyPromptEncoder is <class",
     ),
+    "model-family-not-the-pipelines": flag_case(
+        "--diffusion-model-family",
+        "sd3",
+        message="--diffusion-model-family sd3 does not match --hf-checkpoint",
+    ),
     "model-family-unknown-name": flag_case(
         "--diffusion-model-family",
         "hunyuan",

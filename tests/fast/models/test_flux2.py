@@ -17,7 +17,7 @@ from PIL import Image
 
 from miles.models import get_model_family
 from miles.models.flux2 import Flux2Family, patchify, unpatchify
-from miles.models.sampling_schedule import stock_sampling_kwargs
+from miles.models.sampling_schedule import SCHEDULE_KEYS, stock_sampling_kwargs
 from miles.models.stock_defaults import write_sample_size
 from miles.utils.sampling import FlowNoiseSchedule, denoise
 from miles.utils.tracking import read_metrics
@@ -195,7 +195,7 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     draws = [draw.permute(0, 2, 1).reshape(len(PROMPTS), *LATENT) for draw in tokens]
     cond = family.encode_prompts(family.load_text_encoder(export), PROMPTS)
     ours = denoise(
-        family, family.load_denoiser(export), noise, cond, FlowNoiseSchedule(2, 3.0),
+        family, family.load_denoiser(export), noise, cond, FlowNoiseSchedule(2, _export_shift(export)),
         fresh_noise=lambda k: draws[k], record=False,
     ).final  # fmt: skip
     assert stock.shape == (len(PROMPTS), 4, 4, 8)
@@ -205,3 +205,9 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     trained = Flux2Transformer2DModel.from_pretrained(export / "transformer").state_dict()
     initial = Flux2Transformer2DModel.from_pretrained(run["root"] / "klein" / "transformer").state_dict()
     assert any(not torch.equal(trained[key], initial[key]) for key in initial)
+
+
+def _export_shift(export) -> float:
+    """The flow shift the student trained and was exported at: the family's default since no flag set it."""
+    config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
+    return float(config[SCHEDULE_KEYS["shift"]])

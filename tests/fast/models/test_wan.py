@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles.models import get_model_family
-from miles.models.sampling_schedule import stock_sampling_kwargs, terminal_scheduler_config
+from miles.models.sampling_schedule import SCHEDULE_KEYS, stock_sampling_kwargs, terminal_scheduler_config
 from miles.models.stock_defaults import write_sample_size
 from miles.models.wan import WanFamily
 from miles.rollout.offline_files import save_tensors
@@ -181,7 +181,7 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     draws = [torch.randn(len(PROMPTS), *LATENT, generator=renoise) for _ in range(2)]
     cond = family.encode_prompts(family.load_text_encoder(export), PROMPTS)
     ours = denoise(
-        family, family.load_denoiser(export), noise, cond, FlowNoiseSchedule(2, 3.0),
+        family, family.load_denoiser(export), noise, cond, FlowNoiseSchedule(2, _export_shift(export)),
         fresh_noise=lambda k: draws[k], record=False,
     ).final  # fmt: skip
     assert stock.shape == (len(PROMPTS), *LATENT)
@@ -189,3 +189,9 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     trained = WanTransformer3DModel.from_pretrained(export / "transformer").state_dict()
     initial = WanTransformer3DModel.from_pretrained(run["root"] / "wan" / "transformer").state_dict()
     assert any(not torch.equal(trained[key], initial[key]) for key in initial)
+
+
+def _export_shift(export) -> float:
+    """The flow shift the student trained and was exported at: the family's default since no flag set it."""
+    config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
+    return float(config[SCHEDULE_KEYS["shift"]])
