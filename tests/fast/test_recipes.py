@@ -73,7 +73,7 @@ def test_sd35_medium_dmd2_recipe_prepares_its_data_and_passes_its_dry_run(tmp_pa
     assert f"... (12 in all), 2999], export {out / 'student'}" in log
     assert f"eval: every 250 rollouts, 8 prompts of {data / 'prompts' / 'prompts.jsonl'}" in log
     assert "time estimate (an estimate, not a measurement: no CUDA line of miles has run yet)" in log
-    assert "memory per GPU: not estimated yet" in log
+    assert "memory per GPU, DP rank 0 of 8: bfloat16 compute" in log  # the planner, from the configs alone
     # A dry run writes nothing: no run directory, no wandb files.
     assert not out.exists()
 
