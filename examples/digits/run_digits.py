@@ -67,6 +67,28 @@ PHASE2_FLAGS = [
 ]  # fmt: skip
 
 
+# Students beside the recipe's, for docs/digits.md's phase-2 ablation and the LoRA comparison (``--ablation NAME``,
+# repeatable; each student is named ``student-4step-cfg<w>-<NAME>``). Each list replaces PHASE2_FLAGS; "{half}" is
+# half the student's rollouts. A list with a GAN weight gets the real-data flags as the recipe's student does.
+EMA_FLAGS = ["--ema-decay", "0.99"]
+COSINE_FLAGS = ["--lr-decay-style", "cosine", "--min-lr", "1e-5"]
+ABLATIONS = {
+    # The EMA alone, no GAN head.
+    "ema": EMA_FLAGS,
+    # The EMA, and both learning rates decaying to 1e-5 (cosine) instead of staying constant.
+    "ema-cosine": [*EMA_FLAGS, *COSINE_FLAGS],
+    # The EMA without its warm-up: decay 0.99 from the first step (the warm-up reached only 0.971 by step 300).
+    "ema-nowarmup": [*EMA_FLAGS, "--ema-min-decay", "0.99"],
+    # A prompt-judging discriminator (projection term, approximate R1) whose gradient reaches the student only
+    # from half-way, once the DM term has settled, on decaying learning rates.
+    "gan-late": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
+                 "--dmd2-gan-start-rollout", "{half}"],
+    # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base
+    # (issue 19). The adapters' B starts at zero, so they take a 10x learning rate (docs/digits.md: the pilot).
+    "lora": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"],
+}  # fmt: skip
+
+
 def stage_done(path: Path) -> bool:
     return (path / COMPLETE).is_file()
 
@@ -190,6 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--one-step", action="store_true", help="Also distill a 1-step phase-2 student.")
     parser.add_argument("--phase1", action="store_true", help="Also distill the phase-1 (no GAN, no EMA) student.")
     parser.add_argument("--unguided", action="store_true", help="Also distill a phase-2 student at CFG 1.")
+    parser.add_argument(
+        "--ablation",
+        action="append",
+        default=[],
+        choices=sorted(ABLATIONS),
+        help="Also distill this phase-2 variant of the 4-step student (repeatable; ABLATIONS in this file).",
+    )
     parser.add_argument("--n-per-class", type=int, default=50, help="Evaluation samples per digit.")
     parser.add_argument(
         "--eval-seeds", type=int, default=4, help="Sample seeds 0..N-1 of the final evaluation (means ± std)."
@@ -263,18 +292,23 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("[sweep] teacher 28-step FD by CFG: %s; distilling at CFG %g",
                 ", ".join(f"{row['guidance_scale']:g}: {row['fd']:.3f}" for row in sweep), scale)  # fmt: skip
 
+    # (variant, steps, CFG): "phase2" the recipe's student, "phase1" no GAN and no EMA, else an ABLATIONS name.
     variants = [("phase2", 4, scale)]
     if args.one_step:
         variants.append(("phase2", 1, scale))
     if args.phase1:
         variants.append(("phase1", 4, scale))
+    variants += [(name, 4, scale) for name in dict.fromkeys(args.ablation)]
     if args.unguided and scale != 1.0:
         variants.append(("phase2", 4, 1.0))
     students = {}
     for phase, steps, cfg in variants:
-        name = f"student-{steps}step-cfg{cfg:g}" + ("-phase1" if phase == "phase1" else "")
-        gan = [*PHASE2_FLAGS, "--dmd2-gan-real-data", str(data["train"])] if phase == "phase2" else []
-        if phase == "phase2" and not args.smoke:
+        name = f"student-{steps}step-cfg{cfg:g}" + ("" if phase == "phase2" else f"-{phase}")
+        variant_flags = {"phase2": PHASE2_FLAGS, "phase1": [], **ABLATIONS}[phase]
+        gan = [flag.format(half=max(1, args.student_rollouts // 2)) for flag in variant_flags]
+        if "--dmd2-gan-disc-weight" in gan:
+            gan += ["--dmd2-gan-real-data", str(data["train"])]
+        if "--dmd2-gan-disc-weight" in gan and not args.smoke:
             # The discriminator's quality on the held-out reals at every evaluation (eval/disc_*).
             gan += ["--dmd2-gan-eval-real-data", str(data["heldout"])]
         flags = [
