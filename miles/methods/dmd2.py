@@ -170,6 +170,14 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         )
     if args.dmd2_gan_eval_real_data and not args.eval_interval:
         reject("--dmd2-gan-eval-real-data is read at evaluations only: set --eval-interval, or remove it")
+    if not args.critic_lora_rank:
+        # The critic's LoRA flags default to the student's, so one that differs was set for a critic without LoRA.
+        for name in CRITIC_LORA_FLAGS[1:]:
+            if getattr(args, f"critic_{name}") != getattr(args, name):
+                flag = f"--critic-{name.replace('_', '-')}"
+                reject(
+                    f"{flag} is read with a critic LoRA only (the critic trains full weights): set --critic-lora-rank"
+                )
     check_lora_flags("--critic-", args, args.critic_load, teacher=args.teacher_load)
 
 

@@ -137,6 +137,15 @@ def unmatched_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) ->
     return [t for t in targets if not any(name == t or name.endswith("." + t) for name in linears)]
 
 
+def adapted_linears(model: nn.Module, targets: tuple[str, ...] | list[str]) -> list[nn.Linear]:
+    """The ``nn.Linear`` modules of ``model`` that ``targets`` name (peft's suffix rule); works on the meta device."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    ]
+
+
 def linear_suffixes(model: nn.Module) -> list[str]:
     """The distinct last names of ``model``'s ``nn.Linear`` modules (``to_q``, ``proj``, ...), for an error message."""
     names = set()
@@ -218,8 +227,8 @@ def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | Non
 
     Raises:
         ArgumentValidationError: for a negative rank, alpha <= 0, dropout outside [0, 1), or target modules that
-            match no Linear of the model (the message names them and the model's Linear names), or a critic
-            adapter on another pipeline than the teacher's.
+            match no Linear of the model (the message names them and the model's Linear names), a rank above
+            min(in, out) of every adapted Linear, or a critic adapter on another pipeline than the teacher's.
     """
     from miles.utils.validation import check_number, reject
 
@@ -238,17 +247,26 @@ def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | Non
             f"{prefix}lora-rank puts the critic's adapter on the teacher's weights (one base in the critic group): "
             f"{prefix}load {pipeline} must be --teacher-load {teacher}, or set {prefix}lora-rank 0"
         )
-    if targets is None or pipeline is None:
-        return  # the default list: the names a model lacks are skipped
+    if pipeline is None:
+        return
     from miles.models.memory import meta_denoiser, transformer_config
 
     try:
         model = meta_denoiser(transformer_config(pipeline))
     except (OSError, ValueError):
         return  # a family outside diffusers: the trainer's load names the problem
-    missing = unmatched_targets(model, targets)
+    missing = unmatched_targets(model, targets) if targets is not None else []  # the default list skips absent names
     if missing:
         reject(
             f"{prefix}lora-target-modules {','.join(missing)} match no Linear module of {type(model).__name__} in "
             f"{pipeline}; its Linear modules are named {', '.join(linear_suffixes(model))}"
+        )
+    # A rank above min(in, out) of a layer adds parameters but no capacity: refuse one that exceeds every layer's.
+    widths = [
+        min(m.in_features, m.out_features) for m in adapted_linears(model, targets or DEFAULT_LORA_TARGET_MODULES)
+    ]
+    if widths and rank > max(widths):
+        reject(
+            f"{prefix}lora-rank {rank} exceeds min(in, out) of every adapted Linear of {type(model).__name__} (at most "
+            f"{max(widths)}): a LoRA update of rank r <= {max(widths)} is already full rank there"
         )

@@ -71,9 +71,12 @@ def jsonl_values(path: str | Path, where: str = "", error: type[Exception] = Val
 def read_jsonl_records(path: str | Path, input_key: str, flag: str) -> list[dict[str, Any]]:
     """Every record of a UTF-8 JSONL file, in file order (blank lines skipped).
 
+    An empty prompt is valid (it is the unconditional prompt, as CFG trains it) but a file where every prompt is
+    empty is logged as a warning: the run would learn no conditioning.
+
     Raises:
         ValueError: naming ``flag``, the file and the line, for a gzip-compressed file, a line that is not UTF-8, not
-            a JSON object, or lacks ``input_key``.
+            a JSON object, lacks ``input_key``, or holds a prompt that is not a string (null, a number).
     """
     records = []
     for line_no, record in jsonl_values(path, flag):
@@ -81,7 +84,14 @@ def read_jsonl_records(path: str | Path, input_key: str, flag: str) -> list[dict
             raise ValueError(
                 f"{flag} {path}:{line_no} has no field {input_key!r}; set --input-key to the prompt's field"
             )
+        if not isinstance(record[input_key], str):
+            raise ValueError(
+                f"{flag} {path}:{line_no}: {input_key!r} must be a string (\"\" for the unconditional prompt), got "
+                f"{json.dumps(record[input_key])}"
+            )
         records.append(record)
+    if records and not any(record[input_key].strip() for record in records):
+        logger.warning("%s %s: all %d prompts are empty; the run learns no text conditioning", flag, path, len(records))
     return records
 
 

@@ -119,7 +119,9 @@ def test_phase_two_on_an_engine_replica_repeats_the_figures(run):
     records = read_metrics(out)
     for key in ["train/loss", "train/critic-loss", *GAN_ACTOR, *GAN_CRITIC]:
         expected = [r[key] for r in _train_records(run["records"], key)]
-        assert expected and [r[key] for r in _train_records(records, key)] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
+        assert expected and [r[key] for r in _train_records(records, key)] == pytest.approx(
+            expected, rel=1e-5, abs=1e-6
+        ), key
 
 
 def test_a_prompt_judging_head_logs_its_quality_on_held_out_reals_at_every_evaluation(run):

@@ -390,8 +390,22 @@ def test_critic_lora_flags_default_to_the_students_and_map_onto_the_critic_group
             "--critic-load /models/critic_init must be --teacher-load /models/teacher",
         ),
         (["--save-hf-lora"], "--save-hf-lora writes the student's adapter beside --save-hf"),
+        (["--critic-lora-alpha", "8"], "--critic-lora-alpha is read with a critic LoRA only"),
+        (
+            ["--lora-rank", "8", "--critic-lora-rank", "0", "--critic-lora-dropout", "0.1"],
+            "--critic-lora-dropout is read with a critic LoRA only",
+        ),
     ],
-    ids=["rank-negative", "alpha-zero", "dropout-one", "alpha-without-rank", "critic-base-not-teacher", "no-lora"],
+    ids=[
+        "rank-negative",
+        "alpha-zero",
+        "dropout-one",
+        "alpha-without-rank",
+        "critic-base-not-teacher",
+        "no-lora",
+        "critic-alpha-without-rank",
+        "critic-dropout-full-weight-critic",
+    ],
 )
 def test_bad_lora_flags_rejected_in_one_line(extra, message, capsys):
     assert message in _rejection([*DMD2, *extra], capsys)

@@ -66,6 +66,20 @@ def test_bad_files_are_rejected_with_the_flag(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ValueError, match="broken.jsonl:2 is not valid JSON"):
         JsonlPromptSource(tmp_path / "broken.jsonl")
+    null = write_jsonl(tmp_path / "null.jsonl", [{"prompt": "a"}, {"prompt": None}])
+    with pytest.raises(ValueError, match=r"null.jsonl:2: 'prompt' must be a string .*got null"):
+        JsonlPromptSource(null)
+
+
+def test_empty_prompts_are_valid_but_all_empty_is_warned(tmp_path, caplog):
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a"}, {"prompt": ""}])
+    with caplog.at_level("WARNING", logger="miles.rollout.data_source"):
+        assert [source["prompt"] for source in JsonlPromptSource(mixed, shuffle=False).records] == ["a", ""]
+    assert not caplog.records
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": ""}, {"prompt": " "}])
+    with caplog.at_level("WARNING", logger="miles.rollout.data_source"):
+        JsonlPromptSource(empty)
+    assert "all 2 prompts are empty" in caplog.text
 
 
 def test_images_load_from_lists_npy_and_png(tmp_path):

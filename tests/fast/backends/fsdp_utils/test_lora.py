@@ -16,7 +16,15 @@ from miles.backends.fsdp_utils.model_set import build_model_set, local_bytes
 from miles.backends.fsdp_utils.trainer import GroupTrainer
 from miles.models import get_model_family
 from miles.models.base import DENOISER
-from miles.models.lora import ADAPTER_NAME, AdaptersDisabled, LoraSettings, adapter_parameters
+from miles.models.lora import (
+    ADAPTER_NAME,
+    DEFAULT_LORA_TARGET_MODULES,
+    AdaptersDisabled,
+    LoraSettings,
+    adapted_linears,
+    adapter_parameters,
+)
+from miles.models.memory import meta_denoiser, transformer_config
 from miles.utils.collectives import LocalCollectives
 from miles.utils.misc import make_generator
 from tests.support.trainer import (
@@ -220,3 +228,16 @@ def test_target_modules_that_match_nothing_are_named_in_one_line(pipeline, tmp_p
     assert err.count("\n") == 1
     assert "--lora-target-modules to_qkv match no Linear module of SD3Transformer2DModel" in err
     assert "to_k, to_out.0, to_q, to_v" in err  # the model's Linear names, for the fix
+
+
+def test_a_rank_above_every_adapted_layers_width_is_refused(pipeline, tmp_path, capsys):
+    widths = [min(m.in_features, m.out_features) for m in adapted_linears(meta_denoiser(transformer_config(pipeline)),
+                                                                           DEFAULT_LORA_TARGET_MODULES)]  # fmt: skip
+    make_args(pipeline, tmp_path, "--lora-rank", str(max(widths)))  # full rank on the widest layer: accepted
+    with pytest.raises(SystemExit) as exit_info:
+        make_args(pipeline, tmp_path, "--lora-rank", str(max(widths) + 1))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"--lora-rank {max(widths) + 1} exceeds min(in, out) of every adapted Linear" in err
+    assert f"(at most {max(widths)})" in err
