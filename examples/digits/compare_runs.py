@@ -21,13 +21,17 @@ def eval_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     Raises:
         FileNotFoundError: when the run has no ``metrics.jsonl``.
+        ValueError: for a line of it that is not JSON.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl; pass a train_diffusion.py --output-dir")
     series: dict[str, list[tuple[int, float]]] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{line_no} is not valid JSON (a run killed mid-write?)") from None
         for key, value in record.items():
             if key.startswith("eval/") and isinstance(value, int | float):
                 series.setdefault(key.removeprefix("eval/"), []).append((int(record["rollout_id"]), float(value)))
@@ -54,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         name, sep, run_dir = item.partition("=")
         if not sep:
             parser.error(f"each run is NAME=RUN_DIR, got {item!r}")
-        runs[name] = eval_series(Path(run_dir))
+        try:
+            runs[name] = eval_series(Path(run_dir))
+        except (OSError, ValueError) as exc:  # a missing run, or a metrics.jsonl cut by a crash
+            parser.error(str(exc))
 
     import matplotlib
 

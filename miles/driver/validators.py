@@ -48,7 +48,9 @@ def validate_batch_args(args: argparse.Namespace) -> None:
         ("--num-rollout", args.num_rollout),
         ("--rollout-batch-size", args.rollout_batch_size),
     ):
-        if value is None or value < 1:
+        if value is None:
+            reject(f"{name} is required (a positive integer)")
+        if value < 1:
             reject(f"{name} must be a positive integer, got {value}")
     for name, value in (
         ("--n-samples-per-prompt", args.n_samples_per_prompt),

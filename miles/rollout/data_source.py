@@ -111,7 +111,8 @@ class JsonlPromptSource:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: on a line that is not a JSON object, lacks ``input_key``, or an empty file.
+        ValueError: for a path that is not a regular file (a device, a fifo), a line that is not a JSON object or
+            lacks ``input_key``, or an empty file.
     """
 
     def __init__(
@@ -130,6 +131,8 @@ class JsonlPromptSource:
         self.shuffle = shuffle
         if self.path.is_dir():
             raise FileNotFoundError(f"{flag} {self.path} is a directory; pass a JSONL file")
+        if self.path.exists() and not self.path.is_file():
+            raise ValueError(f"{flag} {self.path} is not a regular file; pass a JSONL file")
         if not self.path.is_file():
             raise FileNotFoundError(f"{flag} {self.path} does not exist")
         self.records = read_jsonl_records(self.path, input_key, flag)

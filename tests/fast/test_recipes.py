@@ -154,3 +154,49 @@ def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
         assert proc.stderr.strip().splitlines()[-1].startswith(f"run_digits.py: error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr
         assert not (tmp_path / "out").exists()
+
+
+def _run_digits_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_digits", REPO / "examples" / "digits" / "run_digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
+    # The recipe composes each --ablation's command as below; a flag the trainer refuses would fail only after the
+    # teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later (preflight, Ray).
+    from miles.driver.arguments import parse_args
+
+    recipe = _run_digits_module()
+    for name, variant in recipe.ABLATIONS.items():
+        flags = [flag.format(half=150) for flag in variant]
+        if "--dmd2-gan-disc-weight" in flags:
+            flags += ["--dmd2-gan-real-data", str(tmp_path / "train.jsonl")]
+        args = parse_args(
+            [*recipe.STUDENT_FLAGS, *flags, "--hf-checkpoint", "/models/teacher", "--teacher-load", "/models/teacher",
+             "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4"]
+        )  # fmt: skip
+        assert args.ema_decay == 0.99, name  # every variant evaluates an EMA, as the recipe's student does
+    lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
+                       "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
+    # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.
+    assert (lora.lora_rank, lora.critic_lora_rank, lora.lr, lora.critic_lr) == (16, 16, 1e-3, 4e-3)
+    late = recipe.ABLATIONS["gan-late"]
+    assert late[late.index("--dmd2-gan-start-rollout") + 1] == "{half}"
+
+
+def test_compare_runs_names_a_missing_or_broken_run_in_one_line(tmp_path):
+    script = REPO / "examples" / "digits" / "compare_runs.py"
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "metrics.jsonl").write_text('{"rollout_id": 0, "eval/fd": 2.0}\n{"rollout_id": 1, "ev')
+    for run, message in (
+        (tmp_path / "missing", f"{tmp_path / 'missing'} has no metrics.jsonl; pass a train_diffusion.py --output-dir"),
+        (tmp_path / "cut", f"{tmp_path / 'cut' / 'metrics.jsonl'}:2 is not valid JSON (a run killed mid-write?)"),
+    ):
+        cmd = [sys.executable, str(script), f"a={run}", "--out", str(tmp_path / "fd.png")]
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"compare_runs.py: error: {message}", proc.stderr

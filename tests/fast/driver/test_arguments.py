@@ -110,7 +110,7 @@ def test_prompts_and_engine_replicas_must_split_over_the_dp_ranks(extra, message
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ([], "--num-rollout must be a positive integer, got None"),
+        ([], "--num-rollout is required (a positive integer)"),
         (["--rollout-batch-size", "0"], "--rollout-batch-size must be a positive integer, got 0"),
         (["--rollout-batch-size", "4", "--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1, got 0"),
         (["--rollout-batch-size", "4", "--diffusion-num-steps", "0"], "--diffusion-num-steps must be >= 1, got 0"),

@@ -60,6 +60,8 @@ def test_unshuffled_order_is_the_file_order_and_batches_may_exceed_the_file(data
 def test_bad_files_are_rejected_with_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match="--prompt-data"):
         JsonlPromptSource(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="--prompt-data /dev/null is not a regular file"):
+        JsonlPromptSource("/dev/null")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"caption": "b"}])
     with pytest.raises(ValueError, match=r"bad.jsonl:2 has no field 'prompt'.*--input-key"):
         JsonlPromptSource(bad)
