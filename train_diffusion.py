@@ -144,12 +144,15 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
 
 
 def group_dirs(args, name: str) -> list[str]:
-    """Every trainer group's ``--load`` or ``--save`` directory (``name``), the actor's first."""
+    """Every trainer group's ``--load`` or ``--save`` directory (``name``), the actor's first; a frozen group has
+    none."""
     from miles.methods import compute_trainer_configs
     from miles.utils.trainer_config import compute_trainer_args
 
     configs = sorted(compute_trainer_configs(args), key=lambda config: config.role != "actor")
-    return [getattr(compute_trainer_args(args, config), name) for config in configs]
+    dirs = [getattr(compute_trainer_args(args, config), name) for config in configs]
+    # A frozen group (the DMD2 reward group) has no checkpoint directory.
+    return [directory for directory in dirs if directory]
 
 
 def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run_id: str | None = None) -> None:
@@ -163,7 +166,8 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run
     (data_state,) = get_all([rollout_manager.state_dict.remote()], "rollout manager", "state_dict", rollout_id)
     # One group at a time: a sleeping group wakes onto the shared device to save.
     for role, group in groups.items():
-        group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
+        if group.args.save:  # a frozen group (the DMD2 reward group) has nothing to save
+            group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
     dirs = group_dirs(args, "save")
     write_run_record(dirs[0], run_record(args, rollout_id, wandb_run_id))
     commit(dirs, rollout_id)

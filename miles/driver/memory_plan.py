@@ -305,7 +305,7 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
     from miles.models.base import DENOISER
     from miles.models.memory import transformer_config
     from miles.utils.misc import load_function
-    from miles.utils.trainer_config import compute_trainer_args
+    from miles.utils.trainer_config import compute_trainer_args, trains
     from miles.utils.validation import dp_size
 
     method = get_method(args)
@@ -327,6 +327,8 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
     plans = []
     for trainer in compute_trainer_configs(args):
         group_args = compute_trainer_args(args, trainer)
+        if not trains(group_args):
+            continue  # a frozen group (the DMD2 reward group) holds no denoiser; its hook's model is not planned
         build_extra = None
         if group_args.custom_build_modules_path:
             builder = load_function(group_args.custom_build_modules_path)

@@ -15,7 +15,7 @@ from miles.driver.estimate import log_estimate
 from miles.driver.memory_plan import log_memory_plan
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
-from miles.utils.trainer_config import compute_trainer_args
+from miles.utils.trainer_config import compute_trainer_args, trains
 from miles.utils.validation import dp_size, flag, rollout_pairs
 
 __all__ = ["LARGE_EVAL_IMAGES", "groups_table", "log_eval_plan", "log_plan", "work_per_rank"]
@@ -49,11 +49,12 @@ def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
     method = get_method(args)
     for config in compute_trainer_configs(args):
         group_args = compute_trainer_args(args, config)
-        per_window = -(-pairs // group_args.num_steps_per_rollout // micro) if pairs else 0
-        count = group_args.num_steps_per_rollout * per_window
-        work.append(
-            (config.role, PhaseWork(f"{group_args.num_steps_per_rollout} optimizer steps", count, count, micro))
-        )
+        if trains(group_args):  # a frozen group (the DMD2 reward group) only runs its train-output hook
+            per_window = -(-pairs // group_args.num_steps_per_rollout // micro) if pairs else 0
+            count = group_args.num_steps_per_rollout * per_window
+            work.append(
+                (config.role, PhaseWork(f"{group_args.num_steps_per_rollout} optimizer steps", count, count, micro))
+            )
         work += [(config.role, phase) for phase in method.train_output_work(group_args, pairs)]
     return work
 

@@ -24,6 +24,7 @@ HOOK_FLAGS = (
     "custom_build_modules_path",
     "custom_trainer_path",
     "diffusion_step_strategy_path",
+    "dmd2_reward_function_path",
     "eval_function_path",
 )
 

@@ -86,6 +86,8 @@ def check_save_dirs(args: argparse.Namespace) -> None:
     if resuming:
         return
     for role, group in _group_args(args):
+        if not group.save:
+            continue  # a frozen group (the DMD2 reward group) saves nothing
         entries = [name for name in checkpoint_entries(group.save) if not name.startswith(".")]
         if not entries:
             continue
@@ -134,6 +136,8 @@ def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
                 spared = sum(1 for r in range(start, args.num_rollout) if (r + 1) % args.save_keep_every == 0)
             kept = min(saves, args.save_keep_last + 1 + spared)
         for role, group in _group_args(args):
+            if not group.save:
+                continue
             copies = 3 + (1 if getattr(group, "ema_decay", None) else 0)
             size = int(denoiser_numel(group.hf_checkpoint) * 4 * copies * 1.05)
             where = "--save" if role == "actor" else f"the {role} group's --save"

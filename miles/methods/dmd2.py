@@ -34,6 +34,14 @@ from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
+from miles.methods.dmd2_reward import (
+    add_reward_arguments,
+    check_reward_family,
+    reward_enabled,
+    reward_trainer_config,
+    reward_work,
+    validate_reward_args,
+)
 from miles.models.lora import check_lora_flags, parse_target_modules
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
@@ -179,6 +187,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
                     f"{flag} is read with a critic LoRA only (the critic trains full weights): set --critic-lora-rank"
                 )
     check_lora_flags("--critic-", args, args.critic_load, teacher=args.teacher_load)
+    validate_reward_args(args)
 
 
 def _validate_scoring_sigma(args: argparse.Namespace) -> None:
@@ -358,6 +367,7 @@ class DMD2Method(Method):
             help="Phase 2: held-out real samples (JSONL like --dmd2-gan-real-data) on which every evaluation logs the "
             "discriminator's quality (eval/disc_*).",
         )
+        add_reward_arguments(group)
 
     def set_defaults(self, args: argparse.Namespace) -> None:
         fill_defaults(
@@ -377,7 +387,9 @@ class DMD2Method(Method):
         validate_dmd2_args(args)
 
     def check_inputs(self, args: argparse.Namespace) -> None:
-        """``--dmd2-gan-feature-blocks`` name blocks the critic's transformer has (its config's ``num_layers``)."""
+        """``--dmd2-gan-feature-blocks`` name blocks the critic's transformer has (its config's ``num_layers``); the
+        reward group's family decodes with autograd."""
+        check_reward_family(args)
         if not gan_enabled(args) or not args.dmd2_gan_feature_blocks:
             return
         from miles.models.base import DENOISER, read_json
@@ -396,7 +408,8 @@ class DMD2Method(Method):
 
     def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
         """The critic first, so it catches up with the student that produced the rollout and then scores it for the
-        actor's step; the actor's copy drops ``teacher_load`` so only the critic group holds the teacher."""
+        actor's step (then, with ``--dmd2-reward-weight``, the frozen reward group); the actor's copy drops
+        ``teacher_load`` so only the critic group holds the teacher."""
         k = args.dmd2_critic_steps_per_rollout
         critic = {
             "hf_checkpoint": args.critic_load,
@@ -418,7 +431,8 @@ class DMD2Method(Method):
             critic["lora_rank"] = 0  # a LoRA student beside a full-weight critic
         if gan_enabled(args):
             critic.update(DMD2_GAN_CRITIC_HOOKS)
-        return [TrainerConfig("critic", critic), TrainerConfig("actor", {"teacher_load": None})]
+        reward = [reward_trainer_config()] if reward_enabled(args) else []  # DMDR's frozen group, before the actor
+        return [TrainerConfig("critic", critic), *reward, TrainerConfig("actor", {"teacher_load": None})]
 
     def settings(self, args: argparse.Namespace) -> DMD2Settings:
         return DMD2Settings.from_args(args)
@@ -465,6 +479,8 @@ class DMD2Method(Method):
         return rows * group_args.micro_batch_size
 
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
+        if group_args.num_steps_per_rollout == 0 and reward_enabled(group_args):
+            return reward_work(group_args, pairs_per_rank)
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:
             return []
         micro_batches = -(-pairs_per_rank // group_args.micro_batch_size)

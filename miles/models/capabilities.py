@@ -13,6 +13,8 @@ declaration). Each protocol's abstract methods must then be implemented.
   without it, data comes as latent files (``--latent-key``) and images are drawn from the raw latents.
 - :class:`TokenFeatures` (optional): the denoiser's image tokens after a block. Unlocks the DMD2 GAN head
   (``--dmd2-gan-disc-weight``).
+- :class:`DifferentiablePixels` (optional): latents → float pixels with autograd. Unlocks the DMD2 reward group
+  (``--dmd2-reward-weight``), whose reward gradient flows back through the decode.
 """
 
 from abc import abstractmethod
@@ -26,6 +28,7 @@ from miles.utils.sampling import guided_velocity as true_cfg_velocity
 
 __all__ = [
     "GUIDANCE_FORMS",
+    "DifferentiablePixels",
     "EmbeddedGuidance",
     "PixelCodec",
     "TokenFeatures",
@@ -102,6 +105,15 @@ class PixelCodec(Protocol):
     @abstractmethod
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``)."""
+
+
+class DifferentiablePixels(Protocol):
+    """Latents → pixels as a differentiable map (the decoder without quantisation), for losses on pixels."""
+
+    @abstractmethod
+    def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """float latents ``(B, *latent_shape)`` → float32 pixels ``(B, C, H, W)`` on the latents' device, 0 = black
+        and 1 = white, not clipped (a clip would cut the gradient of out-of-range pixels), with autograd."""
 
 
 class TokenFeatures(Protocol):

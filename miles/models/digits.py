@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from miles.models.base import DENOISER, read_json
+from miles.models.capabilities import DifferentiablePixels
 from miles.models.registry import register_family
 from miles.models.sd3 import SD3Family
 from miles.utils.misc import stable_hash
@@ -112,7 +113,7 @@ def _check_pixels(images: torch.Tensor) -> torch.Tensor:
 
 
 @register_family
-class DigitsFamily(SD3Family):
+class DigitsFamily(SD3Family, DifferentiablePixels):
     """The ``digits`` family: an SD3 transformer over pixel latents ``(1, 8, 8)`` in [-1, 1] (``x = pixel/255·2 −
     1``), conditioned by MiniLM. It shares the SD3 family's denoiser loading, forward and blocks; text and pixels are
     its own (there is no VAE)."""
@@ -166,6 +167,11 @@ class DigitsFamily(SD3Family):
         """float latents ``(B, C, H, W)`` → uint8 ``(B, H, W, C)``; values outside [-1, 1] are clipped."""
         pixels = ((latents.detach().float().cpu() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
         return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+    def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """float latents ``(B, C, H, W)`` in [-1, 1] → float32 pixels ``(x + 1) / 2`` ``(B, C, H, W)``, unclipped,
+        with autograd (the reward's gradient reaches the latents)."""
+        return (latents.float() + 1.0) / 2.0
 
 
 def init_digits_pipeline(out_dir: str | Path, seed: int = 0, **config) -> Path:

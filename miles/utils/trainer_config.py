@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrainerConfig", "compute_trainer_args", "sibling_dir"]
+__all__ = ["TrainerConfig", "compute_trainer_args", "sibling_dir", "trains"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ def sibling_dir(path: str | None, suffix: str) -> str | None:
     if path is None:
         return None
     return os.path.normpath(path) + suffix
+
+
+def trains(group_args: argparse.Namespace) -> bool:
+    """Whether a group trains: a frozen group (the DMD2 reward group) has ``num_steps_per_rollout`` 0 among its
+    overrides, and no optimizer, checkpoint or memory plan of trainable state
+    (:mod:`miles.backends.fsdp_utils.frozen_trainer`)."""
+    return group_args.num_steps_per_rollout > 0
 
 
 def compute_trainer_args(args: argparse.Namespace, trainer: TrainerConfig) -> argparse.Namespace:

@@ -121,8 +121,10 @@ class FSDPTrainRayActor:
         # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
         self._generated: tuple[int, str, list[TrainPair]] | None = None
         start_rollout_id = 0
-        if args.load and load_rollout_id is not None:
-            self.trainer.load(args.load, load_rollout_id)
+        if load_rollout_id is not None:
+            # A frozen group (no --load of its own) resumes with the others at the same rollout.
+            if args.load:
+                self.trainer.load(args.load, load_rollout_id)
             start_rollout_id = load_rollout_id + 1
         logger.debug(
             "%s rank %d/%d ready on %s, starting at rollout %d", role, rank, world_size, self.device, start_rollout_id

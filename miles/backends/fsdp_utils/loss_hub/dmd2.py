@@ -30,6 +30,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
     pooled_embedding,
     seeded_noise_levels,
 )
+from miles.backends.fsdp_utils.loss_hub.reward import add_reward_gradient
 from miles.backends.fsdp_utils.loss_hub.scoring_sigma import draw_scoring_levels
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
@@ -447,7 +448,8 @@ def dmd2_loss_formula(
         prepared: from :func:`prepare_generator_batch` (``latents`` = ``x_i``, ``extras["sigma"]``,
             ``extras["rollout_x0"]``, ``extras["sample_index"]``).
         metrics: appends per pair ``dmd2_loss``, ``dmd2_grad_abs_mean``, ``dmd2_nonfinite_frac`` (share of g entries
-            that ``nan_to_num`` replaced) and the ``x0_*`` gaps of :func:`record_rollout_train_abs_diff`.
+            that ``nan_to_num`` replaced), the ``x0_*`` gaps of :func:`record_rollout_train_abs_diff`, and with the
+            reward group the figures of :func:`~miles.backends.fsdp_utils.loss_hub.reward.add_reward_gradient`.
 
     Raises:
         RuntimeError: if ``ctx.external_data["critic"]`` is missing or lacks one of the batch's sample indices.
@@ -478,6 +480,8 @@ def dmd2_loss_formula(
         if g_gan is not None and gan_weight > 0:
             # ∂loss/∂x0 = g/numel + w·g_gan: tianweiy/DMD2's loss_dm (a mean) + gen_cls_loss_weight · gen_cls_loss.
             grad = grad + gan_weight * x0[0].numel() * g_gan
+        # DMDR: − w·numel·∂r/∂x̂0 from the reward group (loss_hub.reward); grad itself when the weight is 0.
+        grad = add_reward_gradient(ctx, dm_grad, grad, prepared.extras["sample_index"], metrics)
     per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
 
     metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())

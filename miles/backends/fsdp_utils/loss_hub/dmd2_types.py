@@ -56,6 +56,8 @@ class DMD2Settings:
         gan_mismatch_weight: weight of the reals shown with another prompt (matching-aware, 0: off).
         gan_r1_weight, gan_r1_alpha: weight (0: off) and pixel-noise std of the approximate R1 penalty.
         gan_eval_real_data: held-out real samples for the discriminator's figures at evaluations, or None.
+        reward_weight: w of the reward term (DMDR): the student's x0 gradient gains ``−w·∂reward/∂x̂0`` (0: off).
+        reward_function_path: the reward hook ``fn(images, prompts) -> rewards`` by dotted path, or None.
     """
 
     critic_steps_per_rollout: int = 5
@@ -78,6 +80,8 @@ class DMD2Settings:
     gan_r1_weight: float = 0.0
     gan_r1_alpha: float = 0.1
     gan_eval_real_data: str | None = None
+    reward_weight: float = 0.0
+    reward_function_path: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DMD2Settings":
@@ -104,12 +108,19 @@ class DMD2Settings:
             gan_r1_weight=float(args.dmd2_gan_r1_weight),
             gan_r1_alpha=float(args.dmd2_gan_r1_alpha),
             gan_eval_real_data=args.dmd2_gan_eval_real_data,
+            reward_weight=float(args.dmd2_reward_weight),
+            reward_function_path=args.dmd2_reward_function_path,
         )
 
     @property
     def gan_enabled(self) -> bool:
         """Phase 2 (the GAN head) is on when the critic trains a discriminator."""
         return self.gan_disc_weight > 0
+
+    @property
+    def reward_enabled(self) -> bool:
+        """The reward group (DMDR) runs when the reward term has a weight."""
+        return self.reward_weight > 0
 
 
 def dmd2_settings(args) -> DMD2Settings:
