@@ -138,7 +138,7 @@ class FSDPTrainRayActor:
             "device": str(self.device),
             "trainable_parameters": sum(p.numel() for p in models.trainable_parameters()),
             "frozen_parameters": sum(p.numel() for p in models.frozen_parameters()),
-            "sharded": self.world_size > 1,
+            "sharded": self.world_size > 1 and bool(models.modules()),  # a frozen group holds no module
             "bytes": self.memory_bytes(),
         }
 
