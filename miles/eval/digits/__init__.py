@@ -3,6 +3,8 @@
 * :mod:`miles.eval.digits.data`: the sklearn digits split, prompts and JSONL writer
   (``python -m miles.eval.digits.data OUT_DIR``).
 * :mod:`miles.eval.digits.classifier`: the cached MLP digits classifier whose hidden layer is the feature space.
+* :mod:`miles.eval.digits.reward`: DMDR's digits reward (``digit_log_prob``), a logistic regression on the pixels
+  that is not the evaluator's classifier.
 * :mod:`miles.eval.digits.metrics`: ``evaluate_images`` (accuracy, and the generic figures on classifier features
   against the held-out split), ``evaluate_real_baseline``, ``summary_notes``.
 * :mod:`miles.eval.digits.grids`: ``save_digit_grid`` (one labelled row per digit).
