@@ -18,6 +18,9 @@ its own features and trains it, and its backbone, on the student's samples again
 gradient, which the student adds with ``--dmd2-gan-gen-weight``. Reference values (tianweiy/DMD2): disc 1e-2,
 gen 1e-3 (SD1.5) to 5e-3 (SDXL).
 
+Reward (``--dmd2-reward-weight > 0``, DMDR, :mod:`miles.methods.dmd2_reward`): a frozen third group between the
+critic and the actor ships each sample's ``∂reward/∂x̂0``, which the student subtracts, weighted, from its gradient.
+
 LoRA (``--lora-rank`` for the student, ``--critic-lora-rank`` for the critic, the latter defaulting to the former):
 a critic LoRA sits on the teacher's own weights, so the critic group holds one base and the teacher is that base with
 the adapters disabled (:mod:`miles.models.lora`). Teacher adapters and a reference model are not implemented, so

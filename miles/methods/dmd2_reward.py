@@ -17,7 +17,15 @@ from miles.methods.base import PhaseWork, hook_path
 from miles.utils.trainer_config import TrainerConfig
 from miles.utils.validation import check_number, reject
 
-__all__ = ["REWARD_GROUP_OVERRIDES", "add_reward_arguments", "reward_enabled", "reward_trainer_config", "reward_work"]
+__all__ = [
+    "REWARD_GROUP_OVERRIDES",
+    "add_reward_arguments",
+    "check_reward_family",
+    "reward_enabled",
+    "reward_trainer_config",
+    "reward_work",
+    "validate_reward_args",
+]
 
 # The reward group's own settings: frozen (no steps, no checkpoint, no teacher), the reward hook as its output.
 REWARD_GROUP_OVERRIDES = {
