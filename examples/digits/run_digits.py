@@ -86,6 +86,12 @@ ABLATIONS = {
     # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base
     # (issue 19). The adapters' B starts at zero, so they take a 10x learning rate (docs/digits.md: the pilot).
     "lora": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"],
+    # DMD + reward (DMDR, docs/dmd2.md): the recipe's phase 2 plus the digits reward, the log-probability of the
+    # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
+    # reward step is a quarter of the DM gradient's norm at the start and a fiftieth once the classifier is sure
+    # of the student's digits (train/dmd2_reward_dm_grad_ratio over 20 rollouts: docs/dmd2.md).
+    "reward": [*PHASE2_FLAGS, "--dmd2-reward-weight", "0.5",
+               "--dmd2-reward-function-path", "miles.eval.digits.reward.digit_log_prob"],
 }  # fmt: skip
 
 

@@ -62,25 +62,16 @@ class FrozenModelSet:
 class FrozenGroupTrainer(GroupTrainer):
     """One rank of a frozen group: :meth:`train` runs the train-output hook once per rollout, nothing else.
 
-    Args: as :class:`~miles.backends.fsdp_utils.trainer.GroupTrainer` (``mesh`` and ``converters`` are unused).
+    Args: as :class:`~miles.backends.fsdp_utils.trainer.GroupTrainer` (``mesh`` and ``converters`` are ignored).
 
     Raises:
         ValueError: if the group has no ``--custom-train-output-function-path`` (it would do nothing), or on a bad
             hook path.
     """
 
-    def __init__(
-        self,
-        args,
-        role: str,
-        *,
-        family: Any,
-        device: torch.device,
-        collectives: Collectives,
-        mesh=None,
-        hooks: TrainHooks | None = None,
-        converters=None,
-    ) -> None:
+    # mesh and converters (GroupTrainer's other keywords) shard and change a denoiser this group does not hold.
+    def __init__(self, args, role: str, *, family: Any, device: torch.device, collectives: Collectives,
+                 hooks: TrainHooks | None = None, **unused: Any) -> None:  # fmt: skip
         self.args, self.role, self.family, self.device = args, role, family, device
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
