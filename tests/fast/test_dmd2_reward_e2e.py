@@ -1,7 +1,8 @@
 """DMD2 + reward (DMDR) end to end through ``train_diffusion.main``: the frozen reward group sits between the critic
 and the actor on the tiny digits pipeline, ships each pair's reward gradient (the digits logistic-regression reward),
 and the student takes it; the reward group saves nothing, and a resume from a mid-run commit repeats the figures
-exactly. 2 DP ranks on CPU, three colocated groups, inside the session's Ray cluster."""
+exactly. 1 DP rank on CPU (each group one process: the resume doubles the start-up), three colocated groups,
+inside the session's Ray cluster."""
 
 import json
 import math
@@ -20,7 +21,7 @@ REWARD_ACTOR = ["train/dmd2_reward", "train/dmd2_reward_dm_grad_ratio"]
 def _argv(root, out, *extra):
     return [
         "--loss-type", "dmd2", "--hf-checkpoint", str(root / "digits"), "--teacher-load", str(root / "digits"),
-        "--prompt-data", str(root / "prompts.jsonl"), "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4",
+        "--prompt-data", str(root / "prompts.jsonl"), "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "4",
         "--micro-batch-size", "1", "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "2", "--lr", "1e-3",
         "--dmd2-reward-weight", "0.05", "--dmd2-reward-function-path", REWARD, "--output-dir", str(out), *extra,
     ]  # fmt: skip
