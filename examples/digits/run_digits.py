@@ -84,8 +84,10 @@ ABLATIONS = {
     "gan-late": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
                  "--dmd2-gan-start-rollout", "{half}"],
     # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base
-    # (issue 19). The adapters' B starts at zero, so they take a 10x learning rate (docs/digits.md: the pilot).
+    # (issue 19). The adapters' B starts at zero and Adam moves each of A, B by about lr a step, so at the full-weight
+    # learning rate a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
     "lora": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"],
+    "lora-lr3e-4": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "3e-4", "--critic-lr", "1.2e-3"],
     # DMD + reward (DMDR, docs/dmd2.md): the recipe's phase 2 plus the digits reward, the log-probability of the
     # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
     # reward step is a quarter of the DM gradient's norm at the start and a fiftieth once the classifier is sure
@@ -225,6 +227,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(ABLATIONS),
         help="Also distill this phase-2 variant of the 4-step student (repeatable; ABLATIONS in this file).",
     )
+    parser.add_argument(
+        "--only-ablations",
+        action="store_true",
+        help="Train only the --ablation (and --one-step / --phase1) students, not the recipe's own (an ablation "
+        "study on a copy of a finished run's teacher).",
+    )
     parser.add_argument("--n-per-class", type=int, default=50, help="Evaluation samples per digit.")
     parser.add_argument(
         "--eval-seeds", type=int, default=4, help="Sample seeds 0..N-1 of the final evaluation (means ± std)."
@@ -241,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("teacher_rollouts", "student_rollouts", "n_per_class", "eval_seeds", "train_eval_samples"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.only_ablations and not (args.ablation or args.one_step or args.phase1):
+        parser.error("--only-ablations trains the --ablation, --one-step and --phase1 students: name at least one")
     if args.ranks not in (1, 2):
         # The teacher's 64 pairs per step in micro-batches of 32, and the student's 40-pair rollouts, split over 1
         # or 2 ranks only.
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 ", ".join(f"{row['guidance_scale']:g}: {row['fd']:.3f}" for row in sweep), scale)  # fmt: skip
 
     # (variant, steps, CFG): "phase2" the recipe's student, "phase1" no GAN and no EMA, else an ABLATIONS name.
-    variants = [("phase2", 4, scale)]
+    variants = [] if args.only_ablations else [("phase2", 4, scale)]
     if args.one_step:
         variants.append(("phase2", 1, scale))
     if args.phase1:

@@ -147,6 +147,8 @@ def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
         (["--ranks", "3"], "--ranks must be 1 or 2"),
         (["--guidance-scale", "0.5"], "--guidance-scale must be a number >= 1 (1 = no CFG), got 0.5"),
         (["--student-rollouts", "0"], "--student-rollouts must be >= 1, got 0"),
+        (["--only-ablations"], "--only-ablations trains the --ablation, --one-step and --phase1 students"),
+        (["--ablation", "nope"], "argument --ablation: invalid choice: 'nope'"),
     ):
         cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--out", str(tmp_path / "out")]
         proc = subprocess.run([*cmd, *extra], env=_env(), capture_output=True, text=True, timeout=120)
