@@ -6,7 +6,7 @@ import pytest
 from miles.driver.arguments import parse_args
 from miles.driver.preflight import validate_inputs
 from miles.methods import compute_trainer_configs
-from miles.methods.dmd2_reward import REWARD_GROUP_OVERRIDES
+from miles.methods.dmd2_reward import REWARD_GROUP_OVERRIDES, check_reward_family
 from miles.utils.trainer_config import compute_trainer_args, trains
 from miles.utils.validation import ArgumentValidationError
 
@@ -53,3 +53,14 @@ def test_weight_0_keeps_todays_two_groups_and_a_weight_adds_the_frozen_reward_gr
     assert not trains(reward) and reward.save is None and reward.load is None and reward.teacher_load is None
     assert reward.custom_trainer_path == "miles.backends.fsdp_utils.frozen_trainer.FrozenGroupTrainer"
     assert all(trains(compute_trainer_args(args, config)) for config in (configs[0], configs[2]))
+
+
+def test_a_family_without_a_differentiable_decoder_is_refused_in_one_line(tmp_path):
+    # The family is read from model_index.json alone: an SD3 pipeline's (its VAE decodes to uint8 only, for now).
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    args = parse_args([*DMD2, *REWARD])
+    args.hf_checkpoint = str(tmp_path)
+    with pytest.raises(ArgumentValidationError) as exc_info:
+        check_reward_family(args)
+    message = str(exc_info.value)
+    assert "--dmd2-reward-weight" in message and "DifferentiablePixels" in message and "\n" not in message
