@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from miles.models.base import DENOISER, read_json
-from miles.models.capabilities import DifferentiablePixels
 from miles.models.registry import register_family
 from miles.models.sd3 import SD3Family
 from miles.utils.misc import stable_hash
@@ -113,7 +112,7 @@ def _check_pixels(images: torch.Tensor) -> torch.Tensor:
 
 
 @register_family
-class DigitsFamily(SD3Family, DifferentiablePixels):
+class DigitsFamily(SD3Family):
     """The ``digits`` family: an SD3 transformer over pixel latents ``(1, 8, 8)`` in [-1, 1] (``x = pixel/255·2 −
     1``), conditioned by MiniLM. It shares the SD3 family's denoiser loading, forward and blocks; text and pixels are
     its own (there is no VAE)."""

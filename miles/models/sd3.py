@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG
 from miles.models.registry import register_family
 
 __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
@@ -129,10 +129,10 @@ def sd3_velocity(
 
 
 @register_family
-class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
+class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiablePixels):
     """Diffusers SD3 / SD3.5 pipelines: ``SD3Transformer2DModel`` over VAE latents, CLIP×2 (+T5) text.
 
-    True CFG, a VAE codec, image tokens for the GAN head. Cond kwargs: ``{"encoder_hidden_states": (B, 77 + T5 length,
+    True CFG, a VAE codec (differentiable for the DMD2 reward), image tokens for the GAN head. Cond kwargs: ``{"encoder_hidden_states": (B, 77 + T5 length,
     joint_attention_dim), "pooled_projections": (B, 2 · CLIP projection)}``.
     """
 
@@ -216,7 +216,8 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         if self._vae is None:
             from diffusers import AutoencoderKL
 
-            self._vae = AutoencoderKL.from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32).eval()
+            vae = AutoencoderKL.from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32).eval()
+            self._vae = vae.requires_grad_(False)  # frozen: a reward's gradient reaches the latents, not the VAE
         return self._vae
 
     def _factors(self) -> tuple[float, float]:
@@ -238,6 +239,15 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float VAE latents ``(B, C, h, w)`` → uint8 ``(B, h·f, w·f, 3)``."""
         scaling, shift = self._factors()
-        pixels = self.vae.decode(latents.detach().float().cpu() / scaling + shift, return_dict=False)[0]
+        device = next(self.vae.parameters()).device  # the CPU, unless latents_to_pixels moved it
+        pixels = self.vae.decode(latents.detach().float().to(device) / scaling + shift, return_dict=False)[0].cpu()
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
         return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+    def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """float VAE latents ``(B, C, h, w)`` → float32 pixels ``(B, 3, h·f, w·f)``, ``(decode + 1) / 2``, unclipped,
+        with autograd through the frozen float32 VAE decoder, which moves to the latents' device (and stays there)."""
+        scaling, shift = self._factors()
+        vae = self.vae.to(latents.device)
+        pixels = vae.decode(latents.float() / scaling + shift, return_dict=False)[0]
+        return (pixels.float() + 1.0) / 2.0

@@ -56,8 +56,8 @@ def test_weight_0_keeps_todays_two_groups_and_a_weight_adds_the_frozen_reward_gr
 
 
 def test_a_family_without_a_differentiable_decoder_is_refused_in_one_line(tmp_path):
-    # The family is read from model_index.json alone: an SD3 pipeline's (its VAE decodes to uint8 only, for now).
-    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    # The family is read from model_index.json alone: a FLUX.1 pipeline's (its packed latents decode to uint8 only).
+    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     args = parse_args([*DMD2, *REWARD])
     args.hf_checkpoint = str(tmp_path)
     with pytest.raises(ArgumentValidationError) as exc_info:

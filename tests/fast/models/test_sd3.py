@@ -63,6 +63,25 @@ def test_latents_use_the_vae_scaling_and_shift(tiny):
     assert torch.equal(out, expected)
 
 
+def test_the_differentiable_decode_is_the_vae_decode_with_the_vaes_gradient(tiny):
+    # DMDR's reward reads these pixels: the float decode of latents_to_images, and autograd through the frozen VAE.
+    pipe, path = tiny
+    family = get_model_family(path)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    pixels = family.latents_to_pixels(latents)
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / 1.5 + 0.1).sample
+    torch.testing.assert_close(pixels, (decoded + 1) / 2)
+    weights = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad((pixels * weights).sum(), latents)
+    reference = latents.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(
+        ((pipe.vae.decode(reference / 1.5 + 0.1).sample + 1) / 2 * weights).sum(), reference
+    )
+    torch.testing.assert_close(grad, expected)
+    assert grad.abs().max() > 0 and not any(p.requires_grad for p in family.vae.parameters())
+
+
 def test_engine_runs_one_rollout_from_disk(tiny):
     _, path = tiny
     args = parse_args(
