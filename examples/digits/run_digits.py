@@ -166,11 +166,7 @@ def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
 
 def train_eval_trend(run_dir: Path) -> tuple[float, float] | None:
     """``(last, best)`` train-time eval FD of a run (``eval/fd`` in ``metrics.jsonl``), None without evaluations."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    fds = [record["eval/fd"] for record in map(json.loads, path.read_text().splitlines()) if "eval/fd" in record]
-    fds = [fd for fd in fds if fd is not None]
+    fds = [record["eval/fd"] for record in read_metrics(run_dir) if record.get("eval/fd") is not None]
     return (fds[-1], min(fds)) if fds else None
 
 
@@ -201,6 +197,34 @@ def bar_rows(results: list[dict], scale: float, run_dirs: dict[str, Path] | None
             last, best = trend
             rows.append([f"{name}: last train-time FD ≤ 1.05 × the run's best", f"{last:.3f} vs {1.05 * best:.3f}",
                          "yes" if last <= 1.05 * best else "no"])  # fmt: skip
+    return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` records (empty when the run has none)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def training_rows(run_dirs: dict[str, Path]) -> list[list[str]]:
+    """Per student run: its train-time FD at each evaluation (the trend the last-FD bar reads), the discriminator's
+    right-vs-wrong-prompt AUC and D(real) − D(fake) at the last evaluation (phase 2), the state each rank held
+    (``memory/<group>-{parameters,gradients,optimizer,frozen}_bytes`` summed over the critic and actor groups, DP rank
+    0) and the training's wall time (first to last record, Ray's start-up left out)."""
+    rows = []
+    for name, run_dir in run_dirs.items():
+        records = read_metrics(run_dir)
+        if name == "teacher" or not records:
+            continue
+        evals = [record for record in records if record.get("eval/fd") is not None]
+        trend = " → ".join(f"{record['eval/fd']:.2f}" for record in evals) or "–"
+        last = evals[-1] if evals else {}
+        auc, margin = last.get("eval/disc_prompt_auc"), last.get("eval/disc_real_minus_fake")
+        memory = next((record for record in records if "memory/actor-parameters_bytes" in record), {})
+        state = sum(value for key, value in memory.items() if key.startswith("memory/") and key.endswith("_bytes"))
+        seconds = records[-1]["time"] - records[0]["time"]
+        rows.append([name, trend, "–" if auc is None else f"{auc:.2f}", "–" if margin is None else f"{margin:+.2f}",
+                     f"{state / 2**20:.1f} MiB", f"{seconds:.0f} s"])  # fmt: skip
     return rows
 
 
@@ -360,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             section += "\n\n#### Against the quality bar\n\n" + markdown_table(["bar", "measured", "met"], bars)
         sections.append(section)
         all_results += results
+    training = training_rows(run_dirs)
+    if training:
+        header = ["student", "train-time FD at each evaluation", "disc. prompt AUC", "D(real) − D(fake)",
+                  "state per rank", "training time"]  # fmt: skip
+        sections.append("### Students' training\n\n" + markdown_table(header, training))
     plots = [f"- {name}: " + ", ".join(f"[{png.name}]({png.relative_to(out)})" for png in sorted((run_dir / "plots").glob("*.png")))
              for name, run_dir in run_dirs.items() if (run_dir / "plots").is_dir()]  # fmt: skip
     if plots:
