@@ -86,12 +86,14 @@ def read_jsonl_records(path: str | Path, input_key: str, flag: str) -> list[dict
             )
         if not isinstance(record[input_key], str):
             raise ValueError(
-                f"{flag} {path}:{line_no}: {input_key!r} must be a string (\"\" for the unconditional prompt), got "
+                f'{flag} {path}:{line_no}: {input_key!r} must be a string ("" for the unconditional prompt), got '
                 f"{json.dumps(record[input_key])}"
             )
         records.append(record)
     if records and not any(record[input_key].strip() for record in records):
-        logger.warning("%s %s: all %d prompts are empty; the run learns no text conditioning", flag, path, len(records))
+        logger.warning(
+            "%s %s: all %d prompts are empty; the run learns no text conditioning", flag, path, len(records)
+        )
     return records
 
 
