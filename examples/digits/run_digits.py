@@ -145,20 +145,22 @@ def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
     from miles.eval.digits.hook import evaluate_pipeline, load_pipeline
 
     pipeline = load_pipeline(teacher)
-    rows = [
-        evaluate_pipeline(
-            pipeline,
-            name=f"teacher-28step-cfg{scale:g}",
-            num_steps=28,
-            guidance_scale=scale,
-            step_rule="euler",
-            n_per_class=n_per_class,
-            seed=0,
-            out_dir=sweep_dir,
-            model="teacher",
+    rows = []
+    for scale in SWEEP_SCALES:
+        logger.info("[sweep] the teacher's %d samples at CFG %g, 28 steps ...", 10 * n_per_class, scale)
+        rows.append(
+            evaluate_pipeline(
+                pipeline,
+                name=f"teacher-28step-cfg{scale:g}",
+                num_steps=28,
+                guidance_scale=scale,
+                step_rule="euler",
+                n_per_class=n_per_class,
+                seed=0,
+                out_dir=sweep_dir,
+                model="teacher",
+            )
         )
-        for scale in SWEEP_SCALES
-    ]
     summary.write_text(json.dumps(rows, indent=2, default=str) + "\n")
     mark_done(sweep_dir)
     return rows
