@@ -38,7 +38,7 @@ def read_latest(load_dir: str | Path) -> int:
 
     Raises:
         ValueError: if ``load_dir`` does not exist or holds no ``latest`` file (no rollout was committed there).
-        RuntimeError: if ``latest`` does not hold an integer.
+        RuntimeError: if ``latest`` does not hold a rollout id (an integer >= 0).
     """
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
@@ -51,11 +51,12 @@ def read_latest(load_dir: str | Path) -> int:
         )
     text = latest.read_text().strip()
     try:
-        return int(text)
+        rollout = int(text)
     except ValueError:
-        raise RuntimeError(
-            f"--load {load_dir}: '{LATEST_FILE}' holds {text!r}, not a rollout id; the file is corrupt"
-        ) from None
+        rollout = -1
+    if rollout < 0:  # a rollout id counts from 0: "-1" is as corrupt as "abc"
+        raise RuntimeError(f"--load {load_dir}: '{LATEST_FILE}' holds {text!r}, not a rollout id; the file is corrupt")
+    return rollout
 
 
 def complete_rollouts(save_dir: str | Path) -> list[int]:

@@ -161,6 +161,9 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(setup, tmp_path):
     (tmp_path / "latest").write_text("two\n")
     with pytest.raises(RuntimeError, match="holds 'two', not a rollout id"):
         run_dir.read_latest(tmp_path)
+    (tmp_path / "latest").write_text("-1\n")
+    with pytest.raises(RuntimeError, match="holds '-1', not a rollout id"):
+        run_dir.read_latest(tmp_path)
     (tmp_path / "latest").write_text("7\n")
     with pytest.raises(RuntimeError, match="committed rollout 7, but checkpoint .*rollout_7 is missing"):
         run_dir.resume_rollout([tmp_path])
