@@ -2,6 +2,7 @@
 
 import hashlib
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,13 @@ def make_generator(*parts: Any, device: str | torch.device = "cpu") -> torch.Gen
     return torch.Generator(device=device).manual_seed(stable_hash(*parts))
 
 
+def _is_module(path: str) -> bool:
+    try:
+        return importlib.util.find_spec(path) is not None
+    except (ImportError, ValueError):  # a parent that is a module, not a package
+        return False
+
+
 def load_function(path: str, what: str = "hook path") -> Callable:
     """Import ``module.sub.attr`` and return the callable it names.
 
@@ -59,6 +67,8 @@ def load_function(path: str, what: str = "hook path") -> Callable:
             f"{what} {path!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
     if not hasattr(module, attr_name):
+        if _is_module(path):  # the whole path is a module: the callable's name inside it is missing
+            raise ValueError(f"{what} {path!r} names a module, not a callable: add the name inside it ({path}.<name>)")
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr_name!r}")
     fn = getattr(module, attr_name)
     if not callable(fn):

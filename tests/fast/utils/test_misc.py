@@ -92,8 +92,13 @@ def test_load_function_loads_real_functions():
             "hook path 'miles.utils.misc.no_such_fn': module 'miles.utils.misc' has no attribute 'no_such_fn'",
         ),
         ("miles.utils.misc.__all__", "hook path 'miles.utils.misc.__all__': '__all__' is a list, not a callable"),
+        (
+            "miles.models.sd3",
+            "hook path 'miles.models.sd3' names a module, not a callable: add the name inside it "
+            "(miles.models.sd3.<name>)",
+        ),
     ],
-    ids=["no-dot", "empty", "missing-module", "missing-package", "missing-attribute", "not-callable"],
+    ids=["no-dot", "empty", "missing-module", "missing-package", "missing-attribute", "not-callable", "a-module"],
 )
 def test_load_function_errors_name_the_path_and_the_problem(path, message):
     with pytest.raises(ValueError) as exc_info:
