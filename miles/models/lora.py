@@ -4,6 +4,7 @@ The trainer's LoRA converter and the memory planner (:mod:`miles.driver.memory_p
 :func:`add_lora_adapter`, so the planner counts exactly the parameters a run trains.
 """
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ ADAPTER_NAME = "default"
 
 # Module-name suffixes peft matches (``name == target`` or ``name.endswith("." + target)``): the attention
 # projections of both token streams and the MLP projections of the diffusers DiTs. Modules a model lacks are skipped.
+logger = logging.getLogger(__name__)
+
 DEFAULT_LORA_TARGET_MODULES = (
     # attention: image stream, then the text stream of MMDiT blocks (SD3, FLUX, FLUX.2, Qwen-Image)
     "to_q",
@@ -227,8 +230,9 @@ def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | Non
 
     Raises:
         ArgumentValidationError: for a negative rank, alpha <= 0, dropout outside [0, 1), or target modules that
-            match no Linear of the model (the message names them and the model's Linear names), a rank above
-            min(in, out) of every adapted Linear, or a critic adapter on another pipeline than the teacher's.
+            match no Linear of the model (the message names them and the model's Linear names), or a critic
+            adapter on another pipeline than the teacher's. A rank above min(in, out) of every adapted Linear is
+            logged as a warning.
     """
     from miles.utils.validation import check_number, reject
 
@@ -261,12 +265,14 @@ def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | Non
             f"{prefix}lora-target-modules {','.join(missing)} match no Linear module of {type(model).__name__} in "
             f"{pipeline}; its Linear modules are named {', '.join(linear_suffixes(model))}"
         )
-    # A rank above min(in, out) of a layer adds parameters but no capacity: refuse one that exceeds every layer's.
+    # A rank above min(in, out) of a layer adds parameters but no capacity. It trains, so it is a warning: a recipe
+    # written for a wide model may run on a narrow test model.
     widths = [
         min(m.in_features, m.out_features) for m in adapted_linears(model, targets or DEFAULT_LORA_TARGET_MODULES)
     ]
     if widths and rank > max(widths):
-        reject(
-            f"{prefix}lora-rank {rank} exceeds min(in, out) of every adapted Linear of {type(model).__name__} (at most "
-            f"{max(widths)}): a LoRA update of rank r <= {max(widths)} is already full rank there"
-        )
+        logger.warning(
+            "%slora-rank %d exceeds min(in, out) of every adapted Linear of %s (at most %d): a rank-%d update is "
+            "already full rank there, and the rest adds parameters but no capacity",
+            prefix, rank, type(model).__name__, max(widths), max(widths),
+        )  # fmt: skip
