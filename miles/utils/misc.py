@@ -3,6 +3,7 @@
 import hashlib
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -66,9 +67,10 @@ def load_function(path: str, what: str = "hook path") -> Callable:
         raise ValueError(
             f"{what} {path!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
+    # The whole path may name a submodule, imported already (then an attribute of its package) or not.
+    if inspect.ismodule(getattr(module, attr_name, None)) or (not hasattr(module, attr_name) and _is_module(path)):
+        raise ValueError(f"{what} {path!r} names a module, not a callable: add the name inside it ({path}.<name>)")
     if not hasattr(module, attr_name):
-        if _is_module(path):  # the whole path is a module: the callable's name inside it is missing
-            raise ValueError(f"{what} {path!r} names a module, not a callable: add the name inside it ({path}.<name>)")
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr_name!r}")
     fn = getattr(module, attr_name)
     if not callable(fn):

@@ -106,6 +106,13 @@ def test_load_function_errors_name_the_path_and_the_problem(path, message):
     assert message in str(exc_info.value)
 
 
+def test_a_module_path_is_named_as_a_module_whether_or_not_it_was_imported_already():
+    import miles.models.sd3  # noqa: F401  (now an attribute of miles.models: the other branch of the check)
+
+    with pytest.raises(ValueError, match=r"'miles.models.sd3' names a module, not a callable"):
+        load_function("miles.models.sd3")
+
+
 def test_load_function_rejects_a_non_string():
     with pytest.raises(ValueError, match="must be a dotted path"):
         load_function(None)
