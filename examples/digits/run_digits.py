@@ -168,6 +168,8 @@ def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
 
 def train_eval_trend(run_dir: Path) -> tuple[float, float] | None:
     """``(last, best)`` train-time eval FD of a run (``eval/fd`` in ``metrics.jsonl``), None without evaluations."""
+    from miles.utils.tracking import read_metrics
+
     fds = [record["eval/fd"] for record in read_metrics(run_dir) if record.get("eval/fd") is not None]
     return (fds[-1], min(fds)) if fds else None
 
@@ -202,17 +204,13 @@ def bar_rows(results: list[dict], scale: float, run_dirs: dict[str, Path] | None
     return rows
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """A run's ``metrics.jsonl`` records (empty when the run has none)."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def training_rows(run_dirs: dict[str, Path]) -> list[list[str]]:
     """Per student run: its train-time FD at each evaluation (the trend the last-FD bar reads), the discriminator's
     right-vs-wrong-prompt AUC and D(real) − D(fake) at the last evaluation (phase 2), the state each rank held
     (``memory/<group>-{parameters,gradients,optimizer,frozen}_bytes`` summed over the critic and actor groups, DP rank
     0) and the training's wall time (first to last record, Ray's start-up left out)."""
+    from miles.utils.tracking import read_metrics
+
     rows = []
     for name, run_dir in run_dirs.items():
         records = read_metrics(run_dir)
@@ -347,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     for phase, steps, cfg in variants:
         name = f"student-{steps}step-cfg{cfg:g}" + ("" if phase == "phase2" else f"-{phase}")
         variant_flags = {"phase2": PHASE2_FLAGS, "phase1": [], **ABLATIONS}[phase]
-        gan = [flag.format(half=max(1, args.student_rollouts // 2)) for flag in variant_flags]
-        if "--dmd2-gan-disc-weight" in gan:
-            gan += ["--dmd2-gan-real-data", str(data["train"])]
-        if "--dmd2-gan-disc-weight" in gan and not args.smoke:
-            # The discriminator's quality on the held-out reals at every evaluation (eval/disc_*).
-            gan += ["--dmd2-gan-eval-real-data", str(data["heldout"])]
+        variant = [flag.format(half=max(1, args.student_rollouts // 2)) for flag in variant_flags]
+        if "--dmd2-gan-disc-weight" in variant:
+            variant += ["--dmd2-gan-real-data", str(data["train"])]
+            if not args.smoke:
+                # The discriminator's quality on the held-out reals at every evaluation (eval/disc_*).
+                variant += ["--dmd2-gan-eval-real-data", str(data["heldout"])]
         flags = [
-            *STUDENT_FLAGS, *gan, *common,
+            *STUDENT_FLAGS, *variant, *common,
             "--hf-checkpoint", str(teacher), "--teacher-load", str(teacher),
             "--prompt-data", str(data["prompts"]), "--num-rollout", str(args.student_rollouts),
             "--diffusion-num-steps", str(steps), "--dmd2-teacher-guidance-scale", str(cfg),

@@ -30,10 +30,10 @@ __all__ = [
 # The adapter name the trainer gives its LoRA (peft's own default name); exports strip it.
 ADAPTER_NAME = "default"
 
-# Module-name suffixes peft matches (``name == target`` or ``name.endswith("." + target)``): the attention
-# projections of both token streams and the MLP projections of the diffusers DiTs. Modules a model lacks are skipped.
 logger = logging.getLogger(__name__)
 
+# Module-name suffixes peft matches (``name == target`` or ``name.endswith("." + target)``): the attention
+# projections of both token streams and the MLP projections of the diffusers DiTs. Modules a model lacks are skipped.
 DEFAULT_LORA_TARGET_MODULES = (
     # attention: image stream, then the text stream of MMDiT blocks (SD3, FLUX, FLUX.2, Qwen-Image)
     "to_q",
@@ -137,7 +137,12 @@ def unmatched_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) ->
     """The entries of ``targets`` that name no ``nn.Linear`` of ``model`` (peft's suffix rule); works on a model on the
     meta device."""
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    return [t for t in targets if not any(name == t or name.endswith("." + t) for name in linears)]
+    return [t for t in targets if not any(_names_target(name, t) for name in linears)]
+
+
+def _names_target(module_name: str, target: str) -> bool:
+    """peft's rule: a target module name matches the whole name or its last dotted parts."""
+    return module_name == target or module_name.endswith("." + target)
 
 
 def adapted_linears(model: nn.Module, targets: tuple[str, ...] | list[str]) -> list[nn.Linear]:
@@ -145,7 +150,7 @@ def adapted_linears(model: nn.Module, targets: tuple[str, ...] | list[str]) -> l
     return [
         module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+        if isinstance(module, nn.Linear) and any(_names_target(name, t) for t in targets)
     ]
 
 
