@@ -264,6 +264,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--train-eval-samples", type=int, default=5, help="Train-time eval samples per eval prompt (100 prompts)."
     )
+    parser.add_argument(
+        "--student-seed",
+        type=int,
+        default=None,
+        help="The students' --seed and --rollout-seed (another training seed of the same teacher: run it in another "
+        "--out holding a copy of this one's data, init, teacher and eval-cfg-sweep); default 1234 and 42, the "
+        "teacher's.",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="DP ranks of each trainer group (CPU processes).")
     parser.add_argument("--smoke", action="store_true", help="A few rollouts per stage and a small evaluation.")
     parser.add_argument("--use-wandb", action="store_true", help="Log training and eval media to wandb (offline).")
@@ -307,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         run([sys.executable, "-m", "miles.models.digits", "init", str(init_dir), "--max-length", "8"])
         mark_done(init_dir)
 
-    common = ["--actor-num-gpus-per-node", str(args.ranks), "--seed", "1234", "--rollout-seed", "42"]
-    if args.use_wandb:
-        common += ["--use-wandb"]
+    common = ["--actor-num-gpus-per-node", str(args.ranks)] + (["--use-wandb"] if args.use_wandb else [])
+    seeds = ["--seed", "1234", "--rollout-seed", "42"]
+    student_seeds = seeds
+    if args.student_seed is not None:
+        student_seeds = ["--seed", str(args.student_seed), "--rollout-seed", str(args.student_seed)]
     eval_flags = ["--eval-function-path", "miles.eval.digits.digits_eval_hook", "--eval-prompt-data"]
 
     teacher = out / "teacher"
@@ -317,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "teacher": train(
             "teacher",
             out,
-            [*TEACHER_FLAGS, *common, "--hf-checkpoint", str(init_dir), "--prompt-data", str(data["train"]),
+            [*TEACHER_FLAGS, *common, *seeds, "--hf-checkpoint", str(init_dir), "--prompt-data", str(data["train"]),
              "--num-rollout", str(args.teacher_rollouts),
              # The engine only draws the eval images here: the teacher's own sampler, 28 Euler steps with CFG 2.
              "--diffusion-num-steps", "28", "--diffusion-step-rule", "euler", "--diffusion-guidance-scale", "2",
@@ -352,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 # The discriminator's quality on the held-out reals at every evaluation (eval/disc_*).
                 variant += ["--dmd2-gan-eval-real-data", str(data["heldout"])]
         flags = [
-            *STUDENT_FLAGS, *variant, *common,
+            *STUDENT_FLAGS, *variant, *common, *student_seeds,
             "--hf-checkpoint", str(teacher), "--teacher-load", str(teacher),
             "--prompt-data", str(data["prompts"]), "--num-rollout", str(args.student_rollouts),
             "--diffusion-num-steps", str(steps), "--dmd2-teacher-guidance-scale", str(cfg),

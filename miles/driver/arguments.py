@@ -13,6 +13,7 @@ from miles.driver.family_defaults import fill_flow_shifts
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
 from miles.models.lora import parse_target_modules
+from miles.utils.profiling import add_profiling_args
 from miles.utils.validation import ArgumentValidationError, float_list, rollout_pairs
 
 __all__ = [
@@ -359,10 +360,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
     group.add_argument("--wandb-project", type=str, default="miles", help="W&B project name.")
     group.add_argument(
-        "--wandb-run-name",
-        type=str,
-        default=None,
-        help="W&B run name; default: the --output-dir name.",
+        "--wandb-run-name", type=str, default=None, help="W&B run name; default: the --output-dir name."
     )
     group.add_argument(
         "--wandb-mode", type=str, default="offline", choices=("offline", "online"), help="online needs a login."
@@ -458,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_checkpoint_args,
         _add_logging_args,
         _add_hook_args,
+        add_profiling_args,
     ):
         add(parser)
     for method in METHODS.values():

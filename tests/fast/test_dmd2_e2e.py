@@ -92,9 +92,12 @@ def run(ray_cluster, tmp_path_factory):
     data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in PROMPTS))
     before = _tree_hashes(pipeline)
     save, export, out = root / "ckpt", root / "student", root / "full"
-    run_main(_argv(pipeline, data, out, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)))
+    # Rollout 1 is traced: the resume test below checks that rollout 2 still repeats exactly.
+    extra = ["--save", str(save), "--save-interval", "1", "--save-hf", str(export), "--profile-rollouts", "1"]
+    run_main(_argv(pipeline, data, out, *extra))
     return {
         "root": root,
+        "out": out,
         "pipeline": pipeline,
         "data": data,
         "before": before,
@@ -126,6 +129,23 @@ def test_every_rollout_logs_finite_actor_critic_and_perf_metrics(run):
     assert all(r["train/dmd2_nonfinite_frac"] == 0.0 and r["train/dmd2_grad_abs_mean"] > 0 for r in actor)
     # The trainer's recomputed x0 of the student matches the engine's x̂0_i (same weights, same inputs).
     assert all(r["train/x0_max_abs_diff"] < 1e-4 for r in actor)
+
+
+def test_profile_rollouts_traces_each_rank_and_phase_of_rollout_1_only(run):
+    profiles = run["out"] / "profiles"
+    assert sorted(path.name for path in profiles.iterdir()) == ["rollout_000001"]
+    stems = [f"actor-rank{r}-generate" for r in (0, 1)] + [
+        f"{g}-rank{r}-train" for g in ("actor", "critic") for r in (0, 1)
+    ]
+    assert sorted(path.name for path in (profiles / "rollout_000001").iterdir()) == sorted(
+        f"{stem}.{ext}" for stem in stems for ext in ("json", "txt")
+    )
+    # The trainer's phases are named spans: the critic's K = 2 optimizer windows, then its scoring (train output).
+    events = json.loads((profiles / "rollout_000001" / "critic-rank1-train.json").read_text())["traceEvents"]
+    spans = [event["name"] for event in events if event.get("cat") == "user_annotation"]
+    assert spans.count("train_steps") == 2 and spans.count("train_output") == 1
+    table = (profiles / "rollout_000001" / "critic-rank1-train.txt").read_text()
+    assert "train_steps" in table and "aten::" in table
 
 
 def test_the_memory_plan_matches_the_bytes_each_group_logged(run):

@@ -39,6 +39,7 @@ from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import ProcessGroupCollectives
 from miles.utils.device import worker_device
 from miles.utils.log import setup_logging
+from miles.utils.profiling import profiled
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
 from miles.utils.validation import NonFiniteWeightsError
 
@@ -104,9 +105,8 @@ class FSDPTrainRayActor:
         trainer_class = group_trainer_class(args)
         self.device = worker_device()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
-        )
+        address = f"tcp://{master_addr}:{master_port}"
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size)
         mesh = init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("dp",))
         self.collectives = ProcessGroupCollectives(self.device)
         torch.manual_seed(args.seed)
@@ -176,7 +176,9 @@ class FSDPTrainRayActor:
             ValueError / HookResultError: on a bad converter output, or when the ranks' pair counts differ.
         """
         timers: dict[str, float] = {}
-        pairs = timed(timers, "generate_time", self.device, lambda: self.generator.generate(ray.get(shard_box.inner)))
+        shard = ray.get(shard_box.inner)
+        with profiled(self.args, self.role, self.rank, rollout_id, "generate"):
+            pairs = timed(timers, "generate_time", self.device, self.generator.generate, shard)
         box = Box(ray.put(pairs))
         self._generated = (rollout_id, box.inner.hex(), pairs)
         return RolloutResult(pairs=box, num_pairs=len(pairs), perf=self._perf_record(timers))

@@ -48,6 +48,7 @@ from miles.backends.fsdp_utils.optimizer import apply_optimizer_args
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.utils.collectives import Collectives, check_equal_counts
 from miles.utils.misc import load_function
+from miles.utils.profiling import profiled
 from miles.utils.types import TrainPair
 from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWeightsError
 
@@ -64,7 +65,9 @@ def timed(timers: dict[str, float], key: str, device: torch.device, fn: Callable
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     try:
-        return fn(*args)
+        # A named span in a --profile-rollouts trace; free when no profiler is on.
+        with torch.profiler.record_function(key.removesuffix("_time")):
+            return fn(*args)
     finally:
         timers[key] = timers.get(key, 0.0) + time.perf_counter() - start
         if cuda:
@@ -166,6 +169,12 @@ class GroupTrainer:
         """
         if self.sleeper.asleep:
             raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
+        with profiled(self.args, self.role, self.rank, rollout_id, "train"):
+            return self._train(rollout_id, pairs, external)
+
+    def _train(
+        self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
+    ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
         if self.hooks.train_input is not None:
             pairs = self._train_input(rollout_id, pairs, external)
         windows = split_windows(pairs, self.args.num_steps_per_rollout, self.args.micro_batch_size)
