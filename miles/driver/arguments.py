@@ -73,7 +73,8 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--ray-address",
         type=str,
         default=None,
-        help="Ray cluster to join (default: RAY_ADDRESS if set, else a new local cluster of this run's own).",
+        help="Ray cluster to join, host:port (default: RAY_ADDRESS if set, else a new local cluster of this run's "
+        "own). --dry-run checks its form; a run checks that a cluster answers there.",
     )
     group.add_argument(
         "--dry-run", action="store_true", help="Validate, print groups, placement, schedule and memory plan, exit."

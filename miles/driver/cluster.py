@@ -19,9 +19,10 @@ __all__ = ["CONNECT_TIMEOUT_S", "check_cluster_fits", "check_ray_address", "requ
 CONNECT_TIMEOUT_S = 5.0
 
 
-def check_ray_address(address: str | None, flag: str = "--ray-address") -> None:
-    """Refuse a ``host:port`` address where nothing accepts a TCP connection (other forms, ``auto``, ``local`` and
-    ``ray://`` client addresses, are left to Ray).
+def check_ray_address(address: str | None, flag: str = "--ray-address", connect: bool = True) -> None:
+    """Refuse an address that is not ``host:port``, or (``connect``) where nothing accepts a TCP connection; other
+    forms, ``auto``, ``local`` and ``ray://`` client addresses, are left to Ray. ``parse_args`` checks the form only
+    (a dry run plans for a cluster it often cannot reach); the driver connects before ``ray.init``.
 
     Raises:
         ArgumentValidationError: naming the address and how to start a cluster there.
@@ -31,6 +32,8 @@ def check_ray_address(address: str | None, flag: str = "--ray-address") -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         reject(f"{flag} {address} is not host:port (e.g. 10.0.0.1:6379, the address `ray start --head` prints)")
+    if not connect:
+        return
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             pass

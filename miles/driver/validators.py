@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from miles.driver.cluster import check_ray_address
 from miles.methods import METHODS, get_method
 from miles.utils.paths import check_export_target
 from miles.utils.validation import check_number, dp_size, flag, reject, rollout_pairs
@@ -102,6 +103,7 @@ def validate_args(args: argparse.Namespace) -> None:
         reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
     validate_method_flags(args)
     validate_batch_args(args)
+    check_ray_address(args.ray_address, connect=False)
     if args.train_output_before_step is not None and not (
         0 <= args.train_output_before_step < args.num_steps_per_rollout
     ):

@@ -30,6 +30,20 @@ def test_an_address_where_nothing_listens_is_refused_at_once():
         check_ray_address("head", "RAY_ADDRESS")
     for left_to_ray in (None, "auto", "local", "ray://head:10001"):
         check_ray_address(left_to_ray)
+    check_ray_address(f"127.0.0.1:{port}", connect=False)  # the form alone: what parse_args checks
+
+
+def test_a_dry_run_refuses_an_address_that_is_not_host_port(capsys):
+    # A dry run plans for a cluster it often cannot reach: it checks the address's form, not that anything answers.
+    base = [*BASE, "--rollout-batch-size", "4", "--dry-run"]
+    assert parse_args([*base, "--ray-address", "10.0.0.1:6379"]).ray_address == "10.0.0.1:6379"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*base, "--ray-address", "head-node"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "train_diffusion.py: error: --ray-address head-node is not host:port (e.g. 10.0.0.1:6379, the address "
+        "`ray start --head` prints)"
+    )
 
 
 def test_a_placement_larger_than_the_cluster_is_refused_before_it_waits(ray_cluster):
