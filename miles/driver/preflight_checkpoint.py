@@ -8,6 +8,7 @@ newest earlier checkpoint that is complete in every group offered instead, rathe
 """
 
 import argparse
+import math
 from pathlib import Path
 
 from miles.utils.validation import reject
@@ -43,7 +44,14 @@ def _damaged(directory: str, rollout_id: int) -> str | None:
     return None
 
 
-def _earlier_complete(dirs: list[str], before: int) -> int | None:
+def _offer(load: str, earlier: int | None) -> str:
+    """The sentence that names the newest earlier checkpoint complete in every group ('' when there is none)."""
+    if earlier is None:
+        return ""
+    return f"; rollout_{earlier} is complete: write {earlier} into {Path(load) / 'latest'} to resume from it"
+
+
+def _earlier_complete(dirs: list[str], before: float) -> int | None:
     from miles.driver.run_dir import complete_rollouts
 
     common = set(complete_rollouts(dirs[0]))
@@ -58,18 +66,22 @@ def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -
     directory, with a rollout left to train below ``--num-rollout``.
 
     Raises:
-        ArgumentValidationError: naming ``--load``, the file at fault and, for a damaged checkpoint, the newest
-            earlier one that is complete.
+        ArgumentValidationError: naming ``--load``, the file at fault and, for a corrupt ``latest``, a committed
+            rollout missing in a group or a damaged checkpoint, the newest earlier one complete in every group.
     """
     from miles.driver.resume import check_resume
     from miles.driver.run_dir import read_data_state, read_latest, resume_rollout
 
     load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
+    latest = None
     try:
-        check_resume(args, read_latest(args.load))
+        latest = read_latest(args.load)
+        check_resume(args, latest)
         committed = resume_rollout(load_dirs)
     except (OSError, ValueError, RuntimeError) as exc:
-        _fail(args.load, str(exc))
+        # A commit that is unreadable, or names a rollout some group lacks, may leave an earlier one whole.
+        earlier = _earlier_complete(load_dirs, math.inf if latest is None else latest)
+        _fail(args.load, f"{exc}{_offer(args.load, earlier)}")
     if committed + 1 >= args.num_rollout:
         reject(
             f"--load {args.load} committed rollout {committed}, the last of --num-rollout {args.num_rollout}: "
@@ -83,9 +95,5 @@ def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -
             problem = f"its data cursor does not load ({type(exc).__name__}: {exc})"
     if problem is not None:
         earlier = _earlier_complete(load_dirs, committed)
-        offer = (
-            f"; rollout_{earlier} is complete: write {earlier} into {Path(args.load) / 'latest'} to resume from it"
-            if earlier is not None
-            else "; no earlier complete checkpoint is left: start afresh without --load"
-        )
+        offer = _offer(args.load, earlier) or "; no earlier complete checkpoint is left: start afresh without --load"
         reject(f"--load {args.load} committed rollout {committed}, but it is damaged: {problem}{offer}")

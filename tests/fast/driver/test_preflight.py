@@ -95,6 +95,23 @@ def test_dmd2_load_needs_the_critic_checkpoint_of_the_committed_rollout(tmp_path
         f"--load {tmp_path / 'ckpt'} committed rollout 1, but checkpoint {tmp_path / 'ckpt_critic' / 'rollout_1'} is "
         "missing"
     )
+    # Both groups hold rollout 0 whole: the message offers it.
+    _fake_checkpoint(tmp_path / "ckpt", 0, commit=False)
+    _fake_checkpoint(tmp_path / "ckpt_critic", 0, commit=False)
+    with pytest.raises(ArgumentValidationError) as exc_info:
+        validate_inputs(_validate(argv), check_paths=False)
+    assert str(exc_info.value).endswith(
+        f"is missing; rollout_0 is complete: write 0 into {tmp_path / 'ckpt' / 'latest'} to resume from it"
+    )
+    # A corrupt commit offers the newest rollout complete in both groups as well.
+    (tmp_path / "ckpt" / "latest").write_text("two\n")
+    with pytest.raises(ArgumentValidationError) as exc_info:
+        validate_inputs(_validate(argv), check_paths=False)
+    assert str(exc_info.value) == (
+        f"--load {tmp_path / 'ckpt'}: 'latest' holds 'two', not a rollout id; the file is corrupt; rollout_0 is "
+        f"complete: write 0 into {tmp_path / 'ckpt' / 'latest'} to resume from it"
+    )
+    (tmp_path / "ckpt" / "latest").write_text("1\n")
     # The critic saved one rollout further before the crash: its uncommitted rollout 2 does not matter.
     _fake_checkpoint(tmp_path / "ckpt_critic", 1, 2, commit=False)
     validate_inputs(_validate(argv), check_paths=False)
