@@ -143,7 +143,7 @@ def groups_table(args) -> list[str]:
                 config.role,
                 str(group.hf_checkpoint),
                 str(group.teacher_load or "-"),
-                f"{group.lr:g}",
+                f"{group.lr:g}" if trains(group) else "-",  # a frozen group (the reward's) takes no step
                 str(group.num_steps_per_rollout),
                 str(group.save or "-"),
                 str(group.load or "-"),

@@ -62,6 +62,15 @@ def test_the_groups_are_a_table_with_each_groups_overrides_one_per_line():
     ]
 
 
+def test_a_frozen_group_shows_no_learning_rate():
+    # The DMDR reward group (miles.methods.dmd2_reward) takes no optimizer step: its row reads "-" for the lr.
+    reward = ["--dmd2-reward-weight", "0.5", "--dmd2-reward-function-path", "miles.eval.digits.reward.digit_log_prob"]
+    rows = groups_table(parse_args([*DMD2, *reward]))
+    assert rows[0] == "trainer groups (3, in training order):"
+    cells = {row.split()[0]: row.split() for row in rows[2:5]}
+    assert cells["reward"][3:5] == ["-", "0"] and cells["actor"][3:5] == ["1e-05", "1"]
+
+
 def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(caplog):
     args = parse_args([*DMD2, "--save", "/ckpt/run", "--save-interval", "2"])
     snapshot = copy.deepcopy(vars(args))
