@@ -73,7 +73,7 @@ def _reference_step(args, family, pipeline, rollout_id, shards):
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=0.0
     )
-    losses = []
+    losses, norms = [], []
     for window in range(args.num_steps_per_rollout):
         total_pairs, window_loss = 0, 0.0
         for rank, shard in enumerate(shards):
@@ -92,11 +92,11 @@ def _reference_step(args, family, pipeline, rollout_id, shards):
                 loss = sft_loss_formula(ctx, mb, prepared, new_pred=pred, metrics={})
                 (loss / (len(pairs) * len(shards))).backward()
                 window_loss += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)))
         opt.step()
         opt.zero_grad()
         losses.append(window_loss / total_pairs)
-    return model.state_dict(), losses
+    return model.state_dict(), losses, norms
 
 
 def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family, tmp_path):
@@ -131,7 +131,7 @@ def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family,
         _teardown(group, pg)
 
     shards = [pairs[r * PAIRS_PER_RANK : (r + 1) * PAIRS_PER_RANK] for r in range(WORLD)]
-    expected, ref_losses = _reference_step(args, family, pipeline, 0, shards)
+    expected, ref_losses, ref_norms = _reference_step(args, family, pipeline, 0, shards)
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-5, msg=name)
@@ -139,6 +139,10 @@ def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family,
     records = results[0].metrics
     assert results[1].metrics == [] and results[1].perf == {}
     assert [r["train/loss"] for r in records] == pytest.approx(ref_losses, abs=1e-6)
+    # The norm of the local shards, all-reduced once, is the whole model's (GroupTrainer.clip_grad_norm); the
+    # reference norms exceed --clip-grad, so the in-place clip of the shards is in the weights compared above.
+    assert [r["train/grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
+    assert min(ref_norms) > args.clip_grad
     assert {"train/grad_norm", "train/lr", "train/sft_loss", "train/step"} <= records[0].keys()
     assert records[0]["train/lr"] == pytest.approx(1e-3) and [r["train/step"] for r in records] == [1, 2]
     assert {"perf/actor-train_steps_time", "perf/actor-train_output_time"} <= results[0].perf.keys()
