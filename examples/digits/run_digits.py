@@ -95,6 +95,9 @@ ABLATIONS = {
     # learning rate a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
     "lora": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"],
     "lora-lr3e-4": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "3e-4", "--critic-lr", "1.2e-3"],
+    # lora with its EMA at 0.99 from the first step, as ema-nowarmup.
+    "lora-nowarmup": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3", "--ema-min-decay",
+                      "0.99"],
     # DMD + reward (DMDR, docs/dmd2.md): the recipe's phase 2 plus the digits reward, the log-probability of the
     # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
     # reward step is a quarter of the DM gradient's norm at the start and a fiftieth once the classifier is sure
