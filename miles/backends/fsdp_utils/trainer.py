@@ -28,8 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.converters import ModelConverter, build_converters
@@ -45,7 +44,7 @@ from miles.backends.fsdp_utils.hooks import (
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import compute_context, resolve_dtype, window_sync
 from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local_bytes
-from miles.backends.fsdp_utils.optimizer import apply_optimizer_args
+from miles.backends.fsdp_utils.optimizer import apply_optimizer_args, clip_grad_norm_
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.utils.collectives import Collectives, check_equal_counts
 from miles.utils.misc import load_function
@@ -309,34 +308,10 @@ class GroupTrainer:
             )
 
     def clip_grad_norm(self) -> float:
-        """Global L2 norm of the trainable parameters' gradients (before clipping); clips to ``--clip-grad`` > 0.
-
-        FSDP2 shards a gradient on dim 0 over the group's one mesh dimension, so each element lives on one rank: the
-        squares of the local shards (plain tensors) summed and all-reduced once give the global norm, and the clip
-        scales the local shards in place. DTensor's own route (a foreach norm and a foreach scale dispatched per
-        DTensor, then ``full_tensor``) took about 12 ms of each 126 ms critic window of the digits model at 2 ranks
-        in a ``--profile-rollouts`` trace (docs/performance.md). Gradients held whole on every rank (a module left
-        unsharded) join after the all-reduce, once.
-
-        Raises:
-            NotImplementedError: for a DTensor gradient with a placement other than ``Shard`` (not FSDP2's).
-        """
+        """Global L2 norm of the trainable parameters' gradients (before clipping); clips to ``--clip-grad`` > 0
+        (:func:`~miles.backends.fsdp_utils.optimizer.clip_grad_norm_`)."""
         grads = [p.grad for p in self.models.trainable_parameters() if p.grad is not None]
-        sharded = [g for g in grads if isinstance(g, DTensor)]
-        whole = [g for g in grads if not isinstance(g, DTensor)]
-        if any(not isinstance(placement, Shard) for g in sharded for placement in g.placements):
-            raise NotImplementedError("clip_grad_norm expects FSDP2 gradients, sharded on every mesh dimension")
-        shards = [g.to_local() for g in sharded]
-        total_norm = torch.nn.utils.get_total_norm(whole, norm_type=2.0, foreach=True)  # 0 without any
-        if sharded:
-            square = torch.nn.utils.get_total_norm(shards, norm_type=2.0, foreach=True).square()
-            dist.all_reduce(square, group=sharded[0].device_mesh.get_group())
-            total_norm = (square + total_norm.to(square.device).square()).sqrt()
-        if grads and self.args.clip_grad and self.args.clip_grad > 0 and torch.isfinite(total_norm):
-            # torch.nn.utils.clip_grads_with_norm_'s factor; it takes parameters, and scales their .grad, not these.
-            scale = (self.args.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(shards + whole, scale)
-        return float(total_norm)
+        return float(clip_grad_norm_(grads, self.args.clip_grad))
 
     def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
         """Run the train-output hook on this rank's pairs under no grad (its figures join the last step's)."""
