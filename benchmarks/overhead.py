@@ -743,8 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--size",
         choices=sorted(SIZES),
-        default="tiny",
-        help="The fresh pipeline's size and its bars: tiny (0.63M parameters) or compute (14.2M).",
+        default=None,
+        help="The fresh pipeline's size and its bars: tiny (0.63M parameters; the default) or compute (14.2M).",
     )
     parser.add_argument("--pipeline", type=Path, default=None, help="Digits pipeline dir (default: a fresh init).")
     parser.add_argument("--prompt-data", type=Path, default=None, help="Prompts JSONL (default: digits prompts).")
@@ -800,8 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rollouts < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--rollouts and --threads must be >= 1 and --warmup >= 0")
-    if args.pipeline is not None and args.size != "tiny":
+    if args.pipeline is not None and args.size is not None:
         parser.error("--size makes a fresh pipeline; --pipeline brings one: give one of them")
+    args.size = args.size or "tiny"
     config = config_from(args)
     try:
         config.validate()

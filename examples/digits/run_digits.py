@@ -278,9 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--student-seed",
         type=int,
         default=None,
-        help="The students' --seed and --rollout-seed (another training seed of the same teacher: run it in another "
-        "--out holding a copy of this one's data, init, teacher and eval-cfg-sweep); default 1234 and 42, the "
-        "teacher's.",
+        help="The students' --seed and --rollout-seed, another training seed of the same teacher (the students' "
+        "names end in -seed<N>; the teacher, the sweep and the default seed's students are reused); default 1234 "
+        "and 42, the teacher's.",
     )
     parser.add_argument("--ranks", type=int, default=2, help="DP ranks of each trainer group (CPU processes).")
     parser.add_argument("--smoke", action="store_true", help="A few rollouts per stage and a small evaluation.")
@@ -291,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("teacher_rollouts", "student_rollouts", "n_per_class", "eval_seeds", "train_eval_samples"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.student_seed is not None and not 0 <= args.student_seed < 2**63:
+        parser.error(
+            f"--student-seed must be in [0, 2**63 - 1] (train_diffusion.py's --seed), got {args.student_seed}"
+        )
     if args.only_ablations and not (args.ablation or args.one_step or args.phase1):
         parser.error("--only-ablations trains the --ablation, --one-step and --phase1 students: name at least one")
     if args.ranks not in (1, 2):
@@ -364,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     students = {}
     for phase, steps, cfg in variants:
         name = f"student-{steps}step-cfg{cfg:g}" + ("" if phase == "phase2" else f"-{phase}")
+        if args.student_seed is not None:
+            name += f"-seed{args.student_seed}"  # never the default seed's finished student, reused by its name
         variant_flags = {"phase2": PHASE2_FLAGS, "phase1": [], **ABLATIONS}[phase]
         variant = [flag.format(half=max(1, args.student_rollouts // 2)) for flag in variant_flags]
         if "--dmd2-gan-disc-weight" in variant:

@@ -20,18 +20,22 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def check_ray_address(address: str | None, flag: str = "--ray-address", connect: bool = True) -> None:
-    """Refuse an address that is not ``host:port``, or (``connect``) where nothing accepts a TCP connection; other
-    forms, ``auto``, ``local`` and ``ray://`` client addresses, are left to Ray. ``parse_args`` checks the form only
+    """Refuse an address that is not ``host:port`` (a port in 1–65535; an IPv6 host in brackets), or (``connect``)
+    where nothing accepts a TCP connection; ``auto``, ``local`` and ``ray://`` client addresses are left to Ray. ``parse_args`` checks the form only
     (a dry run plans for a cluster it often cannot reach); the driver connects before ``ray.init``.
 
     Raises:
         ArgumentValidationError: naming the address and how to start a cluster there.
     """
-    if not address or address in ("auto", "local") or "://" in address:
+    if not address or address in ("auto", "local") or address.startswith("ray://"):
         return
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        reject(f"{flag} {address} is not host:port (e.g. 10.0.0.1:6379, the address `ray start --head` prints)")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not sep or not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) < 65536:
+        reject(
+            f"{flag} {address} is not host:port with a port in 1-65535 (e.g. 10.0.0.1:6379, the address `ray start "
+            "--head` prints; [::1]:6379 for IPv6), auto, local or ray://host:port"
+        )
     if not connect:
         return
     try:

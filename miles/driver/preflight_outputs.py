@@ -32,8 +32,8 @@ def _group_args(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]
 
 
 def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """``(flag, path)`` of every directory the run writes: each group's ``--save``, ``--output-dir``, and where
-    ``--save-hf`` goes."""
+    """``(flag, path)`` of every directory the run writes: each group's ``--save``, ``--output-dir``, where
+    ``--save-hf`` goes, and ``--profile-dir`` when traces are asked for."""
     from miles.driver.arguments import group_paths
 
     paths = group_paths(args, ("save",))
@@ -41,6 +41,8 @@ def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
         paths.append(("--output-dir", args.output_dir))
     if args.save_hf:
         paths.append(("--save-hf", args.save_hf))
+    if args.profile_dir and args.profile_rollouts is not None:
+        paths.append(("--profile-dir", args.profile_dir))
     return paths
 
 

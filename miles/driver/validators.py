@@ -104,6 +104,13 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_method_flags(args)
     validate_batch_args(args)
     check_ray_address(args.ray_address, connect=False)
+    if args.profile_rollouts is not None and args.profile_rollouts[0] >= args.num_rollout:
+        start, end = args.profile_rollouts
+        reject(
+            f"--profile-rollouts {start}:{end} starts after the run's last rollout (--num-rollout {args.num_rollout})"
+        )
+    if args.profile_dir is not None and (not args.profile_dir or args.profile_rollouts is None):
+        reject("--profile-dir names where --profile-rollouts writes its traces: give both, with a path")
     if args.train_output_before_step is not None and not (
         0 <= args.train_output_before_step < args.num_steps_per_rollout
     ):

@@ -149,6 +149,7 @@ def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
         (["--student-rollouts", "0"], "--student-rollouts must be >= 1, got 0"),
         (["--only-ablations"], "--only-ablations trains the --ablation, --one-step and --phase1 students"),
         (["--ablation", "nope"], "argument --ablation: invalid choice: 'nope'"),
+        (["--student-seed", "-1"], "--student-seed must be in [0, 2**63 - 1] (train_diffusion.py's --seed), got -1"),
     ):
         cmd = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py"), "--out", str(tmp_path / "out")]
         proc = subprocess.run([*cmd, *extra], env=_env(), capture_output=True, text=True, timeout=120)

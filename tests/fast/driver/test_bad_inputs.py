@@ -291,6 +291,13 @@ def _output_dir_is_a_file(w, d):
     return sft(w, d, "--output-dir", str(d / "file")), f"--output-dir {d / 'file'} is a file"
 
 
+def _profile_dir_is_a_file(w, d):
+    # Without the check the first traced rollout would fail inside every worker, after its work.
+    write(d / "file", "x")
+    argv = sft(w, d, "--profile-rollouts", "1", "--profile-dir", str(d / "file"))
+    return argv, f"--profile-dir {d / 'file'} is a file"
+
+
 def _save_hf_unwritable(w, d):
     # Nobody, root included, creates files in /proc: the export would fail only after the whole training.
     return sft(w, d, "--save-hf", "/proc/miles_export"), "--save-hf /proc/miles_export is not writable"
@@ -572,6 +579,7 @@ COMMANDS: dict[str, Callable] = {
     "save-hf-pipeline-with-user-files-in-a-component": _save_hf_pipeline_with_user_files_in_a_component,
     "save-under-a-file": _save_under_a_file,
     "output-dir-is-a-file": _output_dir_is_a_file,
+    "profile-dir-is-a-file": _profile_dir_is_a_file,
     "save-hf-unwritable": _save_hf_unwritable,
     "output-dir-inside-the-pipeline": _output_dir_inside_the_pipeline,
     "save-is-the-teacher": _save_is_the_teacher,

@@ -56,6 +56,7 @@ def test_reference_has_every_flag_and_group_with_its_default():
         "checkpoint",
         "logging and evaluation",
         "hooks (dotted paths)",
+        "profiling",
         # Each method's own group follows the generic ones (miles.methods); sft_loss and custom_loss add none.
         "DMD2",
     ]

@@ -36,14 +36,17 @@ def test_an_address_where_nothing_listens_is_refused_at_once():
 def test_a_dry_run_refuses_an_address_that_is_not_host_port(capsys):
     # A dry run plans for a cluster it often cannot reach: it checks the address's form, not that anything answers.
     base = [*BASE, "--rollout-batch-size", "4", "--dry-run"]
-    assert parse_args([*base, "--ray-address", "10.0.0.1:6379"]).ray_address == "10.0.0.1:6379"
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args([*base, "--ray-address", "head-node"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == (
-        "train_diffusion.py: error: --ray-address head-node is not host:port (e.g. 10.0.0.1:6379, the address "
-        "`ray start --head` prints)"
-    )
+    for good in ("10.0.0.1:6379", "[::1]:6379", "head-node:6379", "auto", "local", "ray://head:10001"):
+        assert parse_args([*base, "--ray-address", good]).ray_address == good
+    for bad in ("head-node", ":6379", "::1", "10.0.0.1:0", "10.0.0.1:99999", "10.0.0.1:abc", "http://head:8265"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args([*base, "--ray-address", bad])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"train_diffusion.py: error: --ray-address {bad} is not host:port with a port in 1-65535 (e.g. "
+            "10.0.0.1:6379, the address `ray start --head` prints; [::1]:6379 for IPv6), auto, local or "
+            "ray://host:port"
+        )
 
 
 def test_a_placement_larger_than_the_cluster_is_refused_before_it_waits(ray_cluster):

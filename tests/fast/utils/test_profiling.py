@@ -34,6 +34,23 @@ def test_a_bad_flag_exits_with_one_line_naming_it(capsys):
     assert capsys.readouterr().err.strip().startswith("train_diffusion.py: error: argument --profile-rollouts")
 
 
+def test_profile_flags_that_cannot_trace_anything_are_refused(tmp_path, capsys):
+    base = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/p.jsonl", "--num-rollout", "4"]
+    base += ["--rollout-batch-size", "4"]
+    assert parse_args([*base, "--profile-rollouts", "3:9"]).profile_rollouts == (3, 9)  # cut at the last rollout
+    for extra, message in (
+        (
+            ["--profile-rollouts", "4:6"],
+            "--profile-rollouts 4:6 starts after the run's last rollout (--num-rollout 4)",
+        ),
+        (["--profile-dir", str(tmp_path)], "--profile-dir names where --profile-rollouts writes its traces"),
+        (["--profile-rollouts", "1", "--profile-dir", ""], "--profile-dir names where --profile-rollouts writes"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *extra])
+        assert capsys.readouterr().err.strip().startswith(f"train_diffusion.py: error: {message}")
+
+
 def test_the_trainer_traces_only_the_chosen_rollout_and_trains_the_same(tmp_path):
     pipeline = make_pipeline(tmp_path / "digits")
     family = get_model_family(pipeline)
