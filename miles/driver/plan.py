@@ -15,6 +15,7 @@ from miles.driver.estimate import log_estimate
 from miles.driver.memory_plan import log_memory_plan
 from miles.methods import compute_trainer_configs, get_method
 from miles.methods.base import PhaseWork
+from miles.utils.profiling import profile_dir
 from miles.utils.trainer_config import compute_trainer_args, trains
 from miles.utils.validation import dp_size, flag, rollout_pairs
 
@@ -113,6 +114,9 @@ def log_plan(args) -> None:
         _short_list(saves),
         args.save_hf,
     )
+    if args.profile_rollouts is not None:
+        first, end = args.profile_rollouts[0], min(args.profile_rollouts[1], args.num_rollout)
+        logger.info("profile: rollouts %d..%d on every rank, traces in %s", first, end - 1, profile_dir(args))
     log_eval_plan(args)
     log_estimate(args, args.num_rollout - start)
     log_memory_plan(args)

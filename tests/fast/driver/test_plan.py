@@ -72,13 +72,14 @@ def test_a_frozen_group_shows_no_learning_rate():
 
 
 def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(caplog):
-    args = parse_args([*DMD2, "--save", "/ckpt/run", "--save-interval", "2"])
+    args = parse_args([*DMD2, "--save", "/ckpt/run", "--save-interval", "2", "--profile-rollouts", "2:9"])
     snapshot = copy.deepcopy(vars(args))
     with caplog.at_level(logging.INFO, logger="miles.driver"):
         log_plan(args)
     assert vars(args) == snapshot
     text = caplog.text
     assert text.index("  critic  /models/teacher") < text.index("  actor   /models/student")
+    assert "profile: rollouts 2..3 on every rank, traces in outputs/run/profiles" in text  # cut at --num-rollout 4
     # Neither pipeline exists here: the estimate and the memory plan each say why they have no figure.
     assert "time estimate: none (" in text and "memory plan: not available (FileNotFoundError: " in text
     bundle = "{GPU: 1, CPU: c}" if torch.cuda.is_available() else "{CPU: c}"
