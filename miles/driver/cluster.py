@@ -21,8 +21,9 @@ CONNECT_TIMEOUT_S = 5.0
 
 def check_ray_address(address: str | None, flag: str = "--ray-address", connect: bool = True) -> None:
     """Refuse an address that is not ``host:port`` (a port in 1–65535; an IPv6 host in brackets), or (``connect``)
-    where nothing accepts a TCP connection; ``auto``, ``local`` and ``ray://`` client addresses are left to Ray. ``parse_args`` checks the form only
-    (a dry run plans for a cluster it often cannot reach); the driver connects before ``ray.init``.
+    where nothing accepts a TCP connection; ``auto``, ``local`` and ``ray://`` client addresses are left to Ray.
+    ``parse_args`` checks the form only (a dry run plans for a cluster it often cannot reach); the driver connects
+    before ``ray.init``.
 
     Raises:
         ArgumentValidationError: naming the address and how to start a cluster there.

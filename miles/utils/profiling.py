@@ -3,7 +3,7 @@
 A profiled rollout writes, for every rank of every trainer group and each phase it runs (``generate`` on the actor
 ranks, ``train`` on every rank)::
 
-    <profile-dir>/rollout_000005/critic-rank1-train.json   # Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev)
+    <profile-dir>/rollout_000005/critic-rank1-train.json   # Chrome / Perfetto trace (ui.perfetto.dev)
     <profile-dir>/rollout_000005/critic-rank1-train.txt    # torch's op table, sorted by self time
 
 The phases the trainer times (``train_steps``: one span per optimizer window, ``train_output``: the method's
