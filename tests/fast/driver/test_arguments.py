@@ -3,8 +3,6 @@ picklable args. Each loss type's own flags and checks are tested in tests/fast/m
 
 import copy
 import pickle
-import subprocess
-import sys
 
 import pytest
 
@@ -123,31 +121,40 @@ def test_non_positive_sizes_rejected(extra, message):
     assert message in _rejected(argv)
 
 
-@pytest.mark.parametrize(
-    "argv, flag",
-    [
-        (["--prompt-data", "/p.jsonl"], "--hf-checkpoint"),
-        (["--hf-checkpoint", "/m"], "--prompt-data"),
-        ([*BASE, "--rollout-batch-size", "4", "--global-batch-size", "3"], "--global-batch-size"),
-        ([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/t"], "--teacher-load"),
-        ([*BASE, "--rollout-batch-size", "4", "--critic-lr", "1e-4"], "--critic-lr"),
-        ([*BASE, "--rollout-batch-size", "4", "--save-interval", "2"], "--save-interval"),
-        # argparse's own errors are one line too.
-        ([*BASE, "--loss-type", "ppo"], "--loss-type"),
-        ([*BASE, "--rollout-batch-size", "four"], "--rollout-batch-size"),
-        ([*BASE, "--no-such-flag"], "--no-such-flag"),
-    ],
-)
-def test_rejection_from_a_new_process_is_one_line_exit_2_no_traceback(argv, flag):
-    code = f"from miles.driver.arguments import parse_args; parse_args({argv!r})"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and result.stderr.endswith("\n"), result.stderr
+# Each command rejected as a user would see it: train_diffusion.py run in its own process. The cases share one
+# warmed-up interpreter that forks a child per command (tests.support.cli), not one fresh interpreter each.
+REJECTED_COMMANDS = [
+    (["--prompt-data", "/p.jsonl"], "--hf-checkpoint"),
+    (["--hf-checkpoint", "/m"], "--prompt-data"),
+    ([*BASE, "--rollout-batch-size", "4", "--global-batch-size", "3"], "--global-batch-size"),
+    ([*BASE, "--rollout-batch-size", "4", "--teacher-load", "/t"], "--teacher-load"),
+    ([*BASE, "--rollout-batch-size", "4", "--critic-lr", "1e-4"], "--critic-lr"),
+    ([*BASE, "--rollout-batch-size", "4", "--save-interval", "2"], "--save-interval"),
+    # argparse's own errors are one line too.
+    ([*BASE, "--loss-type", "ppo"], "--loss-type"),
+    ([*BASE, "--rollout-batch-size", "four"], "--rollout-batch-size"),
+    ([*BASE, "--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.fixture(scope="module")
+def rejections() -> list[dict]:
+    from tests.support.cli import run_commands
+
+    return run_commands([{"argv": argv} for argv, _ in REJECTED_COMMANDS])
+
+
+@pytest.mark.parametrize("case", range(len(REJECTED_COMMANDS)), ids=[flag for _, flag in REJECTED_COMMANDS])
+def test_rejection_from_a_new_process_is_one_line_exit_2_no_traceback(rejections, case):
+    flag = REJECTED_COMMANDS[case][1]
+    result = rejections[case]
+    assert result["returncode"] == 2, result["stderr"]
+    assert result["stdout"] == ""
+    lines = result["stderr"].splitlines()
+    assert len(lines) == 1 and result["stderr"].endswith("\n"), result["stderr"]
     assert lines[0].startswith("train_diffusion.py: error: ")
     assert flag in lines[0]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result["stderr"]
 
 
 @pytest.mark.parametrize(

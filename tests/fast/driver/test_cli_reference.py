@@ -1,7 +1,7 @@
 """docs/cli-reference.md is generated from the parser and must match it; ``--help`` lists every flag."""
 
 import argparse
-import os
+import logging
 import re
 import subprocess
 import sys
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.driver import cli_reference
 from miles.driver.arguments import build_parser
 from miles.driver.cli_reference import DEFAULT_OUTPUT, render_cli_reference
 
@@ -91,38 +92,43 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_check_passes_on_committed_file_and_fails_on_stale(tmp_path):
+def test_check_passes_on_committed_file_and_fails_on_stale(tmp_path, caplog):
+    # The command itself once, in its own process; the stale and missing cases through main() in this one.
     assert _run_cli("--check").returncode == 0
     stale = tmp_path / "cli-reference.md"
     stale.write_text(DOC.read_text(encoding="utf-8").replace("`5`", "`6`"), encoding="utf-8")
-    result = _run_cli("--check", "--output", str(stale))
-    assert result.returncode == 1
-    assert "stale" in result.stderr and "python -m miles.driver.cli_reference" in result.stderr
+    with caplog.at_level(logging.INFO, logger="miles.driver.cli_reference"):
+        assert cli_reference.main(["--check", "--output", str(stale)]) == 1
+    assert "stale" in caplog.text and "python -m miles.driver.cli_reference" in caplog.text
     missing = tmp_path / "missing.md"
-    assert _run_cli("--check", "--output", str(missing)).returncode == 1
-    assert _run_cli("--output", str(missing)).returncode == 0
+    assert cli_reference.main(["--check", "--output", str(missing)]) == 1
+    assert cli_reference.main(["--output", str(missing)]) == 0
     assert missing.read_text(encoding="utf-8") == DOC.read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("columns", ["60", "200"])
-def test_help_lists_every_flag(columns):
+HELP_COLUMNS = ["60", "200"]
+
+
+@pytest.fixture(scope="module")
+def help_outputs() -> dict[str, dict]:
+    """``python train_diffusion.py --help`` at each terminal width, each in its own forked process."""
+    from tests.support.cli import run_commands
+
+    results = run_commands([{"argv": ["--help"], "env": {"COLUMNS": columns}} for columns in HELP_COLUMNS])
+    return dict(zip(HELP_COLUMNS, results, strict=True))
+
+
+@pytest.mark.parametrize("columns", HELP_COLUMNS)
+def test_help_lists_every_flag(help_outputs, columns):
     """What a new user sees: ``python train_diffusion.py --help`` exits 0 and names every flag."""
-    env = {**os.environ, "COLUMNS": columns}
-    result = subprocess.run(
-        [sys.executable, "train_diffusion.py", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO_ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: train_diffusion.py")
+    result = help_outputs[columns]
+    assert result["returncode"] == 0, result["stderr"]
+    assert result["stdout"].startswith("usage: train_diffusion.py")
     # Whole tokens, so `--lr` is not taken as found inside `--lr-decay-style`.
-    listed = set(re.findall(r"--[a-z0-9][a-z0-9-]*", result.stdout))
+    listed = set(re.findall(r"--[a-z0-9][a-z0-9-]*", result["stdout"]))
     assert set(_all_flags(build_parser())) <= listed
     # Every default is shown; unset flags (None) and off switches show none.
-    text = " ".join(result.stdout.split())
+    text = " ".join(result["stdout"].split())
     assert "AdamW learning rate of the actor (student). (default: 1e-05)" in text
     assert "(default: sft_loss)" in text and "(default: 100)" in text
     assert "(default: None)" not in text and "(default: False)" not in text
