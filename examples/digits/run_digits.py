@@ -91,6 +91,10 @@ ABLATIONS = {
     # alone left the right-vs-wrong-prompt AUC below chance (0.38), nothing taught the head that a prompt can be wrong.
     "gan-late-mismatch": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
                           "--dmd2-gan-start-rollout", "{half}", "--dmd2-gan-mismatch-weight", "1"],
+    # gan-late-mismatch with the student's EMA at 0.99 from the first step, as ema-nowarmup.
+    "gan-late-mismatch-nowarmup": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
+                                   "--dmd2-gan-start-rollout", "{half}", "--dmd2-gan-mismatch-weight", "1",
+                                   "--ema-min-decay", "0.99"],
     # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base
     # (issue 19). The adapters' B starts at zero and Adam moves each of A, B by about lr a step, so at the full-weight
     # learning rate a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
