@@ -748,7 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--pipeline", type=Path, default=None, help="Digits pipeline dir (default: a fresh init).")
     parser.add_argument("--prompt-data", type=Path, default=None, help="Prompts JSONL (default: digits prompts).")
-    parser.add_argument("--work-dir", type=Path, default=None, help="Inputs, run dirs and logs (default: a temp dir).")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="Inputs, run dirs and logs (default: a new temp dir, kept for its logs; the run names it at the end).",
+    )
     parser.add_argument("--rollouts", type=int, default=26, help="Rollouts per loop / run.")
     parser.add_argument("--warmup", type=int, default=5, help="Rollouts left out of the medians.")
     parser.add_argument("--ranks", type=parse_ranks, default=[1, 2], help="DP sizes of the miles runs, e.g. 1,2.")
@@ -927,6 +932,9 @@ def _measure(
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         log(f"wrote {args.json}")
+    if args.work_dir is None:
+        size_mb = sum(path.stat().st_size for path in work_dir.rglob("*") if path.is_file()) / 2**20
+        log(f"inputs, run dirs and logs kept in {work_dir} ({size_mb:.0f} MB); remove it when done")
     if failed is not None:
         print(f"\n{failed}", file=sys.stderr)
         return 1
