@@ -72,7 +72,20 @@ PHASE2_FLAGS = [
 # repeatable; each student is named ``student-4step-cfg<w>-<NAME>``). Each list replaces PHASE2_FLAGS; "{half}" is
 # half the student's rollouts. A list with a GAN weight gets the real-data flags as the recipe's student does.
 EMA_FLAGS = ["--ema-decay", "0.99"]
+# The EMA at its 0.99 from the first step instead of diffusers' warm-up (which reached only 0.971 by step 300).
+NO_WARMUP_FLAGS = ["--ema-min-decay", "0.99"]
 COSINE_FLAGS = ["--lr-decay-style", "cosine", "--min-lr", "1e-5"]
+# A prompt-judging discriminator (projection term, approximate R1) whose gradient reaches the student only from
+# half-way, once the DM term has settled, on decaying learning rates.
+GAN_LATE_FLAGS = [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
+                  "--dmd2-gan-start-rollout", "{half}"]  # fmt: skip
+# gan-late, and real digits shown with another sample's prompt count as fakes (Reed et al. 2016): the projection
+# alone left the right-vs-wrong-prompt AUC below chance (0.38), nothing taught the head that a prompt can be wrong.
+GAN_LATE_MISMATCH_FLAGS = [*GAN_LATE_FLAGS, "--dmd2-gan-mismatch-weight", "1"]
+# The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base (issue 19).
+# The adapters' B starts at zero and Adam moves each of A, B by about lr a step, so at the full-weight learning rate
+# a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
+LORA_FLAGS = [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"]
 ABLATIONS = {
     # The EMA alone, no GAN head.
     "ema": EMA_FLAGS,
@@ -81,28 +94,13 @@ ABLATIONS = {
     # The EMA, scoring at σ uniform in the scoring range (tianweiy/DMD2 draws its timestep uniformly) instead of the
     # flow-shift-3 grid, which puts only 7.5% of the draws below σ = 0.2, where a digit's strokes are decided.
     "ema-uniform-sigma": [*EMA_FLAGS, "--dmd2-scoring-sigma", "shift", "--dmd2-scoring-shift", "1"],
-    # The EMA without its warm-up: decay 0.99 from the first step (the warm-up reached only 0.971 by step 300).
-    "ema-nowarmup": [*EMA_FLAGS, "--ema-min-decay", "0.99"],
-    # A prompt-judging discriminator (projection term, approximate R1) whose gradient reaches the student only
-    # from half-way, once the DM term has settled, on decaying learning rates.
-    "gan-late": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
-                 "--dmd2-gan-start-rollout", "{half}"],
-    # gan-late, and real digits shown with another sample's prompt count as fakes (Reed et al. 2016): the projection
-    # alone left the right-vs-wrong-prompt AUC below chance (0.38), nothing taught the head that a prompt can be wrong.
-    "gan-late-mismatch": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
-                          "--dmd2-gan-start-rollout", "{half}", "--dmd2-gan-mismatch-weight", "1"],
-    # gan-late-mismatch with the student's EMA at 0.99 from the first step, as ema-nowarmup.
-    "gan-late-mismatch-nowarmup": [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
-                                   "--dmd2-gan-start-rollout", "{half}", "--dmd2-gan-mismatch-weight", "1",
-                                   "--ema-min-decay", "0.99"],
-    # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base
-    # (issue 19). The adapters' B starts at zero and Adam moves each of A, B by about lr a step, so at the full-weight
-    # learning rate a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
-    "lora": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"],
+    "ema-nowarmup": [*EMA_FLAGS, *NO_WARMUP_FLAGS],
+    "gan-late": GAN_LATE_FLAGS,
+    "gan-late-mismatch": GAN_LATE_MISMATCH_FLAGS,
+    "gan-late-mismatch-nowarmup": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS],
+    "lora": LORA_FLAGS,
     "lora-lr3e-4": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "3e-4", "--critic-lr", "1.2e-3"],
-    # lora with its EMA at 0.99 from the first step, as ema-nowarmup.
-    "lora-nowarmup": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3", "--ema-min-decay",
-                      "0.99"],
+    "lora-nowarmup": [*LORA_FLAGS, *NO_WARMUP_FLAGS],
     # DMD + reward (DMDR, docs/dmd2.md): the recipe's phase 2 plus the digits reward, the log-probability of the
     # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
     # reward step is a quarter of the DM gradient's norm at the start and a fiftieth once the classifier is sure
