@@ -174,6 +174,7 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
     from miles.driver.arguments import parse_args
 
     recipe = _run_digits_module()
+    parsed = {}
     for name, variant in recipe.ABLATIONS.items():
         flags = [flag.format(half=150) for flag in variant]
         if "--dmd2-gan-disc-weight" in flags:
@@ -183,6 +184,16 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
              "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4"]
         )  # fmt: skip
         assert args.ema_decay == 0.99, name  # every variant evaluates an EMA, as the recipe's student does
+        parsed[name] = args
+    # The critic-pace and step-grid variants override STUDENT_FLAGS' K, critic lr and (shift-3) schedule.
+    pace = {name: (parsed[name].dmd2_critic_steps_per_rollout, parsed[name].critic_lr) for name in parsed}
+    assert (pace["ema-nowarmup"], pace["ema-nowarmup-k2"], pace["ema-nowarmup-k10"]) == (
+        (5, 4e-4),
+        (2, 4e-4),
+        (10, 4e-4),
+    )
+    assert pace["ema-nowarmup-critic-lr1e-4"] == (5, 1e-4)
+    assert parsed["ema-nowarmup-linear-grid"].diffusion_timesteps == [1000, 750, 500, 250]
     lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.
