@@ -95,11 +95,13 @@ ABLATIONS = {
     # flow-shift-3 grid, which puts only 7.5% of the draws below σ = 0.2, where a digit's strokes are decided.
     "ema-uniform-sigma": [*EMA_FLAGS, "--dmd2-scoring-sigma", "shift", "--dmd2-scoring-shift", "1"],
     "ema-nowarmup": [*EMA_FLAGS, *NO_WARMUP_FLAGS],
-    # The critic's pace against the student's (STUDENT_FLAGS: K = 5 critic steps per student step at 4x the
-    # student's learning rate, tianweiy/DMD2's two-time-scale rule): fewer or more critic steps, a slower critic.
-    "ema-nowarmup-k2": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--dmd2-critic-steps-per-rollout", "2"],
-    "ema-nowarmup-k10": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--dmd2-critic-steps-per-rollout", "10"],
+    # The critic's pace against the student's (STUDENT_FLAGS: K = 5 critic steps per student step, each on a fifth
+    # of the rollout, at 4x the student's learning rate: tianweiy/DMD2's two-time-scale rule). K = 1 is one critic
+    # step on the whole rollout (K must split each rank's 20 pairs into whole micro-batches of 4: 1 or 5); the
+    # critic's learning rate slower (1e-4) or faster (1.6e-3).
+    "ema-nowarmup-k1": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--dmd2-critic-steps-per-rollout", "1"],
     "ema-nowarmup-critic-lr1e-4": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--critic-lr", "1e-4"],
+    "ema-nowarmup-critic-lr1.6e-3": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--critic-lr", "1.6e-3"],
     # The step grid: tianweiy/DMD2's evenly spaced 4-step timesteps (999, 749, 499, 249 there), sigma = 1, 0.75,
     # 0.5, 0.25, instead of the flow-shift-3 grid (1, 0.9, 0.75, 0.5), whose last step starts at a coarser noise.
     "ema-nowarmup-linear-grid": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--diffusion-timesteps", "1000,750,500,250"],

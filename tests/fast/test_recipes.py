@@ -169,8 +169,8 @@ def _run_digits_module():
 
 
 def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
-    # The recipe composes each --ablation's command as below; a flag the trainer refuses would fail only after the
-    # teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later (preflight, Ray).
+    # The recipe composes each --ablation's command as below (2 DP ranks); a flag the trainer refuses would fail
+    # only after the teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later (preflight, Ray).
     from miles.driver.arguments import parse_args
 
     recipe = _run_digits_module()
@@ -181,18 +181,19 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
             flags += ["--dmd2-gan-real-data", str(tmp_path / "train.jsonl")]
         args = parse_args(
             [*recipe.STUDENT_FLAGS, *flags, "--hf-checkpoint", "/models/teacher", "--teacher-load", "/models/teacher",
-             "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4"]
+             "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4",
+             "--actor-num-gpus-per-node", "2"]
         )  # fmt: skip
         assert args.ema_decay == 0.99, name  # every variant evaluates an EMA, as the recipe's student does
         parsed[name] = args
     # The critic-pace and step-grid variants override STUDENT_FLAGS' K, critic lr and (shift-3) schedule.
     pace = {name: (parsed[name].dmd2_critic_steps_per_rollout, parsed[name].critic_lr) for name in parsed}
-    assert (pace["ema-nowarmup"], pace["ema-nowarmup-k2"], pace["ema-nowarmup-k10"]) == (
+    assert [pace[f"ema-nowarmup{end}"] for end in ("", "-k1", "-critic-lr1e-4", "-critic-lr1.6e-3")] == [
         (5, 4e-4),
-        (2, 4e-4),
-        (10, 4e-4),
-    )
-    assert pace["ema-nowarmup-critic-lr1e-4"] == (5, 1e-4)
+        (1, 4e-4),
+        (5, 1e-4),
+        (5, 1.6e-3),
+    ]
     assert parsed["ema-nowarmup-linear-grid"].diffusion_timesteps == [1000, 750, 500, 250]
     lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
