@@ -170,7 +170,8 @@ def _run_digits_module():
 
 def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
     # The recipe composes each --ablation's command as below (2 DP ranks); a flag the trainer refuses would fail
-    # only after the teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later (preflight, Ray).
+    # only after the teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later
+    # (preflight, Ray).
     from miles.driver.arguments import parse_args
 
     recipe = _run_digits_module()
