@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from diffusers.training_utils import EMAModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -45,6 +44,10 @@ class ParameterEMA:
             raise ValueError(f"--ema-decay must be in (0, 1), got {decay}")
         if not 0 <= min_decay <= decay:
             raise ValueError(f"--ema-min-decay must be in [0, --ema-decay {decay}], got {min_decay}")
+        # Imported here, not at the top: diffusers.training_utils loads every diffusers model class (about 5 s), and
+        # this module is on the path of train_diffusion.py's argument parsing (the methods' flags), --help included.
+        from diffusers.training_utils import EMAModel
+
         self.modules = modules
         self.names = [name for name, param in modules.named_parameters() if param.requires_grad]
         with torch.no_grad():

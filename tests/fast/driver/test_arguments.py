@@ -249,3 +249,22 @@ def test_every_method_flag_is_owned_by_one_loss_type_and_run_paths_cover_every_g
         ("--save", "/ckpt/run"),
         ("--output-dir", "/runs/a"),
     ]
+
+
+def test_parsing_the_command_line_loads_no_diffusers_module():
+    # --help and every rejection go through parse_args, which imports each method's flags. diffusers' EMA helper
+    # alone loaded every diffusers model class (about 5 s of an 8 s --help): the EMA imports it when it is built.
+    import subprocess
+    import sys
+
+    dmd2 = ["--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "5"]
+    argv = [*BASE, *dmd2, "--ema-decay", "0.99"]
+    code = (
+        "import sys\n"
+        "from miles.driver.arguments import parse_args\n"
+        f"parse_args({argv!r})\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('diffusers', 'transformers', 'peft')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
