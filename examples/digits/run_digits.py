@@ -87,6 +87,8 @@ GAN_LATE_MISMATCH_FLAGS = [*GAN_LATE_FLAGS, "--dmd2-gan-mismatch-weight", "1"]
 # a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
 LORA_FLAGS = [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"]
 ABLATIONS = {
+    # The recipe's phase 2 (GAN head + EMA) with its EMA at 0.99 from the first step.
+    "nowarmup": [*PHASE2_FLAGS, *NO_WARMUP_FLAGS],
     # The EMA alone, no GAN head.
     "ema": EMA_FLAGS,
     # The EMA, and both learning rates decaying to 1e-5 (cosine) instead of staying constant.
