@@ -111,7 +111,7 @@ ABLATIONS = {
     "gan-late-mismatch": GAN_LATE_MISMATCH_FLAGS,
     "gan-late-mismatch-nowarmup": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS],
     "lora": LORA_FLAGS,
-    "lora-lr3e-4": [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "3e-4", "--critic-lr", "1.2e-3"],
+    "lora-lr3e-4": [*LORA_FLAGS, "--lr", "3e-4", "--critic-lr", "1.2e-3"],  # the later rates override LORA_FLAGS'
     "lora-nowarmup": [*LORA_FLAGS, *NO_WARMUP_FLAGS],
     # DMD + reward (DMDR, docs/dmd2.md): the recipe's phase 2 plus the digits reward, the log-probability of the
     # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
