@@ -16,7 +16,8 @@ Stages (each reuses its output when that output is complete, so an interrupted r
 4. sweep     the teacher's 28-step FD at CFG 1, 1.5, 2 and 3; the recipe distills at the best one
              (``--guidance-scale`` picks one instead).
 5. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
-             with that CFG; phase 2 adds the GAN head (real digits: the train split) and the student's EMA.
+             with that CFG; phase 2 adds the GAN head (real digits: the train split) and the student's EMA
+             (0.99 from the first step).
              ``--one-step`` adds a 1-step phase-2 student, ``--phase1`` the no-GAN, no-EMA 4-step student of the
              same CFG (the gain's baseline), ``--unguided`` a phase-2 student distilled at CFG 1.
 6. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG,
@@ -59,25 +60,31 @@ STUDENT_FLAGS = [
     "--lr", "1e-4", "--critic-lr", "4e-4", "--clip-grad", "1.0",
 ]  # fmt: skip
 
-# Phase 2: tianweiy/DMD2's discriminator weight; the generator weight and the GAN's noise range from the recipe's
-# search (docs/digits.md: the GAN runs' lowest FD); an EMA of the student that the export and the evaluation use.
-# The reference generator weight (3e-3) left the GAN gradient below 1/100 of the DM gradient on 8x8 digits.
-PHASE2_FLAGS = [
+# Phase 2 as first measured: tianweiy/DMD2's discriminator weight; the generator weight and the GAN's noise range
+# from the recipe's search (docs/digits.md: the GAN runs' lowest FD); an EMA of the student that the export and the
+# evaluation use, with diffusers' warm-up. The reference generator weight (3e-3) left the GAN gradient below 1/100
+# of the DM gradient on 8x8 digits. The LoRA, late-GAN and reward students keep this EMA (their rows were measured
+# with it, and the LoRA student lost FD without the warm-up).
+WARMUP_PHASE2_FLAGS = [
     "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-gen-weight", "0.03", "--dmd2-gan-max-timestep-ratio", "0.5",
     "--ema-decay", "0.99",
 ]  # fmt: skip
+# The EMA at its 0.99 from the first step instead of diffusers' warm-up (which reached only 0.971 by step 300).
+NO_WARMUP_FLAGS = ["--ema-min-decay", "0.99"]
+# The recipe's phase 2: the same GAN head and EMA, the EMA without its warm-up. Against the warm-up it lowered the
+# 4-step student's FD on every sample seed of both training seeds measured (1.106 vs 1.317, 1.145 vs 1.291:
+# docs/digits.md, runs 10 and 11).
+PHASE2_FLAGS = [*WARMUP_PHASE2_FLAGS, *NO_WARMUP_FLAGS]
 
 
 # Students beside the recipe's, for docs/digits.md's phase-2 ablation and the LoRA comparison (``--ablation NAME``,
 # repeatable; each student is named ``student-4step-cfg<w>-<NAME>``). Each list replaces PHASE2_FLAGS; "{half}" is
 # half the student's rollouts. A list with a GAN weight gets the real-data flags as the recipe's student does.
 EMA_FLAGS = ["--ema-decay", "0.99"]
-# The EMA at its 0.99 from the first step instead of diffusers' warm-up (which reached only 0.971 by step 300).
-NO_WARMUP_FLAGS = ["--ema-min-decay", "0.99"]
 COSINE_FLAGS = ["--lr-decay-style", "cosine", "--min-lr", "1e-5"]
 # A prompt-judging discriminator (projection term, approximate R1) whose gradient reaches the student only from
 # half-way, once the DM term has settled, on decaying learning rates.
-GAN_LATE_FLAGS = [*PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
+GAN_LATE_FLAGS = [*WARMUP_PHASE2_FLAGS, *COSINE_FLAGS, "--dmd2-gan-projection", "--dmd2-gan-r1-weight", "1",
                   "--dmd2-gan-start-rollout", "{half}"]  # fmt: skip
 # gan-late, and real digits shown with another sample's prompt count as fakes (Reed et al. 2016): the projection
 # alone left the right-vs-wrong-prompt AUC below chance (0.38), nothing taught the head that a prompt can be wrong.
@@ -85,10 +92,10 @@ GAN_LATE_MISMATCH_FLAGS = [*GAN_LATE_FLAGS, "--dmd2-gan-mismatch-weight", "1"]
 # The recipe's phase 2 with student and critic as rank-16 LoRA adapters on the teacher's one frozen base (issue 19).
 # The adapters' B starts at zero and Adam moves each of A, B by about lr a step, so at the full-weight learning rate
 # a rank-16 update moves the weights about 3x slower: 10x and 3x are tried (docs/digits.md).
-LORA_FLAGS = [*PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"]
+LORA_FLAGS = [*WARMUP_PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--critic-lr", "4e-3"]
 ABLATIONS = {
-    # The recipe's phase 2 (GAN head + EMA) with its EMA at 0.99 from the first step.
-    "nowarmup": [*PHASE2_FLAGS, *NO_WARMUP_FLAGS],
+    # The recipe's phase 2 as first measured: its EMA with diffusers' warm-up.
+    "warmup": WARMUP_PHASE2_FLAGS,
     # The EMA alone, no GAN head.
     "ema": EMA_FLAGS,
     # The EMA, and both learning rates decaying to 1e-5 (cosine) instead of staying constant.
@@ -117,7 +124,7 @@ ABLATIONS = {
     # prompt's digit under a logistic regression fitted on the train split (not the evaluator's MLP). At 0.5 the
     # reward step is a quarter of the DM gradient's norm at the start and a fiftieth once the classifier is sure
     # of the student's digits (train/dmd2_reward_dm_grad_ratio over 20 rollouts: docs/dmd2.md).
-    "reward": [*PHASE2_FLAGS, "--dmd2-reward-weight", "0.5",
+    "reward": [*WARMUP_PHASE2_FLAGS, "--dmd2-reward-weight", "0.5",
                "--dmd2-reward-function-path", "miles.eval.digits.reward.digit_log_prob"],
 }  # fmt: skip
 

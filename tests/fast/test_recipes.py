@@ -196,6 +196,13 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
         (5, 1.6e-3),
     ]
     assert parsed["ema-nowarmup-linear-grid"].diffusion_timesteps == [1000, 750, 500, 250]
+    # The recipe's own phase 2 holds its EMA at 0.99 from the first step; "warmup" is the phase 2 first measured.
+    recipe_student = parse_args([*recipe.STUDENT_FLAGS, *recipe.PHASE2_FLAGS, "--dmd2-gan-real-data", "r.jsonl",
+                                 "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p",
+                                 "--num-rollout", "3"])  # fmt: skip
+    assert (recipe_student.ema_decay, recipe_student.ema_min_decay) == (0.99, 0.99)
+    assert (parsed["warmup"].ema_min_decay, parsed["lora"].ema_min_decay, parsed["reward"].ema_min_decay) == (0, 0, 0)
+    assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
     lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.
