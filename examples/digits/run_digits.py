@@ -123,6 +123,9 @@ ABLATIONS = {
     "gan-late": GAN_LATE_FLAGS,
     "gan-late-mismatch": GAN_LATE_MISMATCH_FLAGS,
     "gan-late-mismatch-nowarmup": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS],
+    # The same with the generator's GAN weight at 0.1 (the later flag overrides the recipe's 0.03): a head that
+    # judges the digit may carry a stronger pull toward the real digits than the first heads could.
+    "gan-late-mismatch-nowarmup-gen0.1": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS, "--dmd2-gan-gen-weight", "0.1"],
     "lora": LORA_FLAGS,
     "lora-lr3e-4": [*LORA_FLAGS, "--lr", "3e-4", "--critic-lr", "1.2e-3"],  # the later rates override LORA_FLAGS'
     "lora-nowarmup": [*LORA_FLAGS, *NO_WARMUP_FLAGS],
