@@ -256,7 +256,8 @@ def train(args) -> None:
             paths = run_paths(args)
             check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, paths)
             actor.get(actor.async_export_hf(args.save_hf, export_schedule(args), paths), "export_hf")
-            logger.info("exported the student to %s", args.save_hf)
+            # DMD2 trains a student; SFT (a teacher) and custom methods train the model itself.
+            logger.info("exported the %s to %s", "student" if args.loss_type == "dmd2" else "model", args.save_hf)
     finally:
         if tracker is not None:
             tracker.finish()

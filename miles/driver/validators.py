@@ -285,6 +285,10 @@ def validate_number_args(args: argparse.Namespace) -> None:
         reject(f"--min-lr {args.min_lr} must be <= --lr {args.lr} (the cosine schedule decays from --lr to it)")
     if args.ema_decay is None and (args.ema_min_decay != 0.0 or args.ema_update_after_step != 0):
         reject("--ema-min-decay and --ema-update-after-step shape the EMA's warm-up: add --ema-decay")
+    if args.ema_decay is None and not args.ema_for_eval:
+        reject(
+            "--no-ema-for-eval evaluates the live weights instead of the EMA's: without --ema-decay there is no EMA"
+        )
     if args.ema_decay is not None and args.ema_min_decay > args.ema_decay:
         reject(f"--ema-min-decay {args.ema_min_decay} must be <= --ema-decay {args.ema_decay} (the warm-up's floor)")
     if args.save_keep_every is not None and args.save_keep_last is None:

@@ -80,6 +80,8 @@ DMD2_GAN_CRITIC_HOOKS = {
 }
 
 
+# The GAN's noise range top when the flag is not given: a different value only changes the GAN head.
+GAN_MAX_TIMESTEP_RATIO = DMD2Settings.gan_max_timestep_ratio
 # The student's LoRA flags (dests) the critic's --critic-* copies default to and map onto in the critic's args.
 CRITIC_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")
 
@@ -140,7 +142,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     ):
         check_number(flag, value, low=0)
     check_number("--dmd2-gan-max-timestep-ratio", args.dmd2_gan_max_timestep_ratio)
-    if not args.dmd2_min_timestep_ratio < args.dmd2_gan_max_timestep_ratio <= 1:
+    if gan_enabled(args) and not args.dmd2_min_timestep_ratio < args.dmd2_gan_max_timestep_ratio <= 1:
         reject(
             f"need --dmd2-min-timestep-ratio < --dmd2-gan-max-timestep-ratio <= 1, got "
             f"{(args.dmd2_min_timestep_ratio, args.dmd2_gan_max_timestep_ratio)}"
@@ -157,6 +159,15 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     if args.dmd2_gan_real_data and not gan_enabled(args):
         reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
     _validate_scoring_sigma(args)
+    # A range between two grid points is valid on its own and empty on the grid: found here, not in a rank.
+    grid = sft_loss.trainer_flow_grid(args)
+    try:
+        if args.dmd2_scoring_sigma == "grid":
+            dmd2_loss.scoring_grid_indices(args, grid)
+        if gan_enabled(args):
+            dmd2_loss.gan_grid_indices(args, grid)
+    except ValueError as exc:
+        reject(str(exc))
     for flag, value in (
         ("--dmd2-gan-mismatch-weight", args.dmd2_gan_mismatch_weight),
         ("--dmd2-gan-r1-weight", args.dmd2_gan_r1_weight),
@@ -170,6 +181,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
         "--dmd2-gan-r1-weight": args.dmd2_gan_r1_weight > 0,
         "--dmd2-gan-start-rollout": args.dmd2_gan_start_rollout > 0,
         "--dmd2-gan-eval-real-data": bool(args.dmd2_gan_eval_real_data),
+        "--dmd2-gan-max-timestep-ratio": args.dmd2_gan_max_timestep_ratio != GAN_MAX_TIMESTEP_RATIO,
     }
     for flag, used in gan_only.items():
         if used and not gan_enabled(args):
@@ -324,7 +336,7 @@ class DMD2Method(Method):
         group.add_argument(
             "--dmd2-gan-max-timestep-ratio",
             type=float,
-            default=0.98,
+            default=GAN_MAX_TIMESTEP_RATIO,
             help="Phase 2: highest diffusion-GAN noise timestep / 1000 (tianweiy/DMD2's diffusion_gan_max_timestep).",
         )
         group.add_argument(

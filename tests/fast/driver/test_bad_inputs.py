@@ -457,6 +457,9 @@ COMMANDS: dict[str, Callable] = {
     "ema-warmup-without-ema": flag_case(
         "--ema-update-after-step", "10", message="--ema-min-decay and --ema-update-after-step shape the EMA's"
     ),
+    "no-ema-for-eval-without-ema": flag_case(
+        "--no-ema-for-eval", message="--no-ema-for-eval evaluates the live weights instead of the EMA's: without"
+    ),
     "gpu-memory-zero": flag_case(
         "--dry-run", "--gpu-memory-gb", "0", message="--gpu-memory-gb must be > 0 (e.g. 80), got 0.0"
     ),

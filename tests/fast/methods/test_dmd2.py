@@ -239,6 +239,22 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--ema-decay", "0.99", "--ema-min-decay", "0.995"],
             "--ema-min-decay 0.995 must be <= --ema-decay 0.99 (the warm-up's floor)",
         ),
+        (
+            # Both ratios are in [0, 1] and ordered, but the shift-3 grid's lowest timestep is 2.994.
+            [*DMD2, "--dmd2-min-timestep-ratio", "0", "--dmd2-max-timestep-ratio", "0.002"],
+            "no timestep of the --fsdp-flow-shift 3.0 grid lies in [0, 2]; widen --dmd2-min-timestep-ratio / "
+            "--dmd2-max-timestep-ratio",
+        ),
+        (
+            [*DMD2, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", "/data/real.jsonl"]
+            + ["--dmd2-min-timestep-ratio", "0", "--dmd2-gan-max-timestep-ratio", "0.002"],
+            "no timestep of the --fsdp-flow-shift 3.0 grid lies in [0, 2]; widen --dmd2-min-timestep-ratio / "
+            "--dmd2-gan-max-timestep-ratio",
+        ),
+        (
+            [*DMD2, "--dmd2-gan-max-timestep-ratio", "0.3"],
+            "--dmd2-gan-max-timestep-ratio changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it",
+        ),
     ],
     ids=[
         "teacher-missing",
@@ -259,6 +275,9 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
         "projection-without-gan",
         "mismatch-in-micro-batches-of-one",
         "ema-floor-above-decay",
+        "scoring-range-between-grid-points",
+        "gan-range-between-grid-points",
+        "gan-range-without-gan",
     ],
 )
 def test_unsupported_dmd2_combination_rejected(argv, message, capsys):
@@ -267,6 +286,16 @@ def test_unsupported_dmd2_combination_rejected(argv, message, capsys):
     assert message in str(exc_info.value)
     assert "\n" not in str(exc_info.value)
     assert message in _rejection(argv, capsys)
+
+
+def test_scoring_ranges_that_only_the_gan_or_the_grid_would_limit_are_accepted():
+    # Without a GAN head its noise range (default top 0.98) does not bound the scoring range; a continuous scoring
+    # rule samples a range that holds no grid point.
+    for extra in (
+        ["--dmd2-min-timestep-ratio", "0.985", "--dmd2-max-timestep-ratio", "0.999"],
+        ["--dmd2-min-timestep-ratio", "0.0005", "--dmd2-max-timestep-ratio", "0.002", "--dmd2-scoring-sigma", "shift"],
+    ):
+        validate_args(_parsed_with_defaults([*DMD2, *extra]))
 
 
 def test_validate_dmd2_args_is_the_methods_validator():

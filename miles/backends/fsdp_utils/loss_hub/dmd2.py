@@ -180,10 +180,13 @@ def gan_grid_indices(args, grid: FlowNoiseSchedule) -> torch.Tensor:
     Raises:
         ValueError: if no grid point falls in the range.
     """
-    return scoring_grid_indices(args, grid, max_ratio=dmd2_settings(args).gan_max_timestep_ratio)
+    ratio = dmd2_settings(args).gan_max_timestep_ratio
+    return scoring_grid_indices(args, grid, max_ratio=ratio, max_flag="--dmd2-gan-max-timestep-ratio")
 
 
-def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None = None) -> torch.Tensor:
+def scoring_grid_indices(
+    args, grid: FlowNoiseSchedule, max_ratio: float | None = None, max_flag: str = "--dmd2-max-timestep-ratio"
+) -> torch.Tensor:
     """Indices (int64, ascending) of the trainer grid whose timestep lies in the DMD2 scoring range.
 
     The range is ``[--dmd2-min-timestep-ratio, --dmd2-max-timestep-ratio] · 1000`` (2–98% by default, tianweiy/DMD2's
@@ -199,7 +202,7 @@ def scoring_grid_indices(args, grid: FlowNoiseSchedule, max_ratio: float | None 
     if len(allowed) == 0:
         raise ValueError(
             f"no timestep of the --fsdp-flow-shift {args.fsdp_flow_shift} grid lies in "
-            f"[{low:g}, {high:g}]; widen --dmd2-min-timestep-ratio / --dmd2-max-timestep-ratio"
+            f"[{low:g}, {high:g}]; widen --dmd2-min-timestep-ratio / {max_flag}"
         )
     return allowed
 
@@ -271,7 +274,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     if guidance_scale != 1.0 and true_cfg:
         _check_negative_conds(train_pairs, guidance_scale)
     grid = trainer_flow_grid(args)
-    allowed = scoring_grid_indices(args, grid)
+    # The continuous rules draw σ in the range itself; only the grid rule needs grid points inside it.
+    allowed = scoring_grid_indices(args, grid) if settings.scoring_sigma == "grid" else None
     micro_batch_size = args.micro_batch_size
 
     gan = DISC_HEAD in ctx.models

@@ -25,11 +25,16 @@ def shift_sigma(s: torch.Tensor, k: float) -> torch.Tensor:
 
 
 def scoring_sigmas(
-    settings: DMD2Settings, grid: FlowNoiseSchedule, allowed: torch.Tensor, count: int, generator: torch.Generator
+    settings: DMD2Settings,
+    grid: FlowNoiseSchedule,
+    allowed: torch.Tensor | None,
+    count: int,
+    generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scoring noise levels of ``count`` pairs, drawn with ``generator`` by ``--dmd2-scoring-sigma``:
 
-    * ``grid`` (default): one index uniform over ``allowed`` (:func:`scoring_grid_indices`) of the
+    * ``grid`` (default): one index uniform over ``allowed`` (:func:`scoring_grid_indices`; ``None`` for the other
+      rules, which do not read it) of the
       ``--fsdp-flow-shift`` grid (``torch.randint``): σ is then distributed like the grid, at shift 3 only 7.5% of
       the draws below σ = 0.2, where an 8×8 digit's strokes and background are decided.
     * ``shift``: ``s`` uniform, ``σ = k·s / (1 + (k − 1)·s)`` with ``k = --dmd2-scoring-shift`` (SD3's time shift,
@@ -83,7 +88,7 @@ def draw_scoring_levels(
     generator: torch.Generator,
     grid: FlowNoiseSchedule,
     shape: tuple[int, ...],
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One scoring micro-batch's noise levels (:func:`scoring_sigmas`), then its noise ``ε`` of ``shape``, from
     ``generator`` in that order. The ``grid`` rule is :func:`miles.utils.sampling.draw_noise_levels` itself, so the

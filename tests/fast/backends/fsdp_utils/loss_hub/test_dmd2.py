@@ -209,6 +209,10 @@ def test_scoring_sigma_stays_within_the_timestep_range():
         predict_teacher_and_critic_x0(
             make_ctx(make_args(dmd2_min_timestep_ratio=0.5001, dmd2_max_timestep_ratio=0.5002)), pairs
         )
+    # A continuous rule samples the same range, which holds no grid point, instead of failing on the grid.
+    between = make_args(dmd2_min_timestep_ratio=0.5001, dmd2_max_timestep_ratio=0.5002, dmd2_scoring_sigma="shift")
+    sigma = predict_teacher_and_critic_x0(make_ctx(between), pairs)["sigma"]
+    assert sigma.min() >= 0.5001 and sigma.max() <= 0.5002
 
 
 def test_scoring_seed_includes_dp_rank_and_rollout():
