@@ -39,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 COMPLETE = ".miles_stage_complete.json"
 SWEEP_SCALES = (1.0, 1.5, 2.0, 3.0)
+# Far above any useful CFG scale, and finite in float32, where the teacher's guided velocity is computed.
+MAX_GUIDANCE_SCALE = 100.0
 
 logger = logging.getLogger("digits")
 
@@ -269,14 +271,74 @@ def training_rows(run_dirs: dict[str, Path]) -> list[list[str]]:
     return rows
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description and the list of ablations as written, and each flag's default where it has a value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        # argparse.ArgumentDefaultsHelpFormatter's hook, minus its "(default: None)" and "(default: False)".
+        if action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+def ablations_help() -> str:
+    """The ``--ablation`` names and the flags each gives the student in place of the recipe's phase-2 flags."""
+    lines = [
+        "--ablation NAME: the student's flags in place of the recipe's phase 2 "
+        f"({shlex.join(PHASE2_FLAGS)}; {{half}} = half of --student-rollouts):"
+    ]
+    lines += [f"  {name}: {shlex.join(flags) or '(none)'}" for name, flags in ABLATIONS.items()]
+    return "\n".join(lines)
+
+
+def run_dir_path(value: str) -> Path:
+    """``--out``'s type: ``Path("")`` would be the current directory, which the recipe would fill unasked."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path; pass the run directory")
+    return Path(value)
+
+
+def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with one line when ``--out`` cannot hold a run, or when ``--only-ablations`` has no teacher to train on."""
+    out = args.out.resolve()
+    # Without this check the study would train a teacher of its own first, where a copy without the marker
+    # (`cp -r teacher/*` skips dot files) was meant.
+    if args.only_ablations and not stage_done(out / "teacher"):
+        parser.error(
+            f"--only-ablations trains on a finished run's teacher, and {out / 'teacher'} has no {COMPLETE} "
+            "(run the recipe first, or copy a finished run with `cp -al`, which keeps the marker)"
+        )
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        parser.error(f"--out {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--out {out}: {existing} is not writable")
+
+
+def study_tag(args: argparse.Namespace) -> str:
+    """``""`` for the recipe's run; for ``--only-ablations`` the students it adds, e.g. ``"-warmup+one-step"``, so that
+    its tables and grids sit beside the full run's instead of replacing them."""
+    if not args.only_ablations:
+        return ""
+    names = [*dict.fromkeys(args.ablation)] + [
+        flag for flag in ("one-step", "phase1", "unguided") if getattr(args, flag.replace("-", "_"))
+    ]
+    seed = "" if args.student_seed is None else f"-seed{args.student_seed}"
+    return "-" + "+".join(names) + seed
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "digits", help="Run directory.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=ablations_help(),
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--out", type=run_dir_path, default=REPO / "outputs" / "digits", help="Run directory.")
     parser.add_argument(
         "--guidance-scale", type=float, default=None, help="Teacher CFG to distill; default: the sweep's best."
     )
@@ -284,26 +346,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--student-rollouts", type=int, default=300, help="DMD2 rollouts per student.")
     parser.add_argument("--one-step", action="store_true", help="Also distill a 1-step phase-2 student.")
     parser.add_argument("--phase1", action="store_true", help="Also distill the phase-1 (no GAN, no EMA) student.")
-    parser.add_argument("--unguided", action="store_true", help="Also distill a phase-2 student at CFG 1.")
+    parser.add_argument(
+        "--unguided",
+        action="store_true",
+        help="Also distill a phase-2 student at CFG 1 (none when the distilled scale is already 1).",
+    )
     parser.add_argument(
         "--quality",
         action="store_true",
         help="The longer quality recipe: the 4-step student and its critic as rank-16 LoRA adapters on the teacher's "
-        "base (ABLATIONS['lora'], named student-4step-cfg<w>-lora) instead of the full-weight student; about 2x the "
-        "student's time, and the best precision and accuracy measured on two training seeds (docs/digits.md).",
+        "base (--ablation lora, named student-4step-cfg<w>-lora) instead of the full-weight student; about 2x the "
+        "student's time, and it met the precision, accuracy and trend bars on both training seeds measured, where the "
+        "default student has the lower FD (docs/digits.md).",
     )
     parser.add_argument(
         "--ablation",
         action="append",
         default=[],
         choices=sorted(ABLATIONS),
-        help="Also distill this phase-2 variant of the 4-step student (repeatable; ABLATIONS in this file).",
+        help="Also distill this variant of the 4-step student (repeatable; the list below gives each one's flags, "
+        "docs/digits.md what it measured).",
     )
     parser.add_argument(
         "--only-ablations",
         action="store_true",
-        help="Train only the --ablation (and --one-step / --phase1) students, not the recipe's own (an ablation "
-        "study on a copy of a finished run's teacher).",
+        help="Train only the --ablation (and --one-step / --phase1 / --unguided) students, not the recipe's own (an "
+        "ablation study on a finished run's teacher, in its --out or a copy of it); the tables go to "
+        "summary-<names>.md and eval-cfg<w>-<names>/, beside the full run's.",
     )
     parser.add_argument("--n-per-class", type=int, default=50, help="Evaluation samples per digit.")
     parser.add_argument(
@@ -333,14 +402,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--student-seed must be in [0, 2**63 - 1] (train_diffusion.py's --seed), got {args.student_seed}"
         )
-    if args.only_ablations and not (args.ablation or args.one_step or args.phase1):
-        parser.error("--only-ablations trains the --ablation, --one-step and --phase1 students: name at least one")
+    if args.only_ablations and not (args.ablation or args.one_step or args.phase1 or args.unguided):
+        parser.error(
+            "--only-ablations trains the --ablation, --one-step, --phase1 and --unguided students: name at least one"
+        )
+    if args.only_ablations and args.quality:
+        parser.error(
+            "--quality replaces the recipe's student, which --only-ablations does not train: use --ablation lora"
+        )
     if args.ranks not in (1, 2):
         # The teacher's 64 pairs per step in micro-batches of 32, and the student's 40-pair rollouts, split over 1
         # or 2 ranks only.
         parser.error(f"--ranks must be 1 or 2 (the recipe's batch sizes split over those), got {args.ranks}")
-    if args.guidance_scale is not None and not 1 <= args.guidance_scale < float("inf"):
-        parser.error(f"--guidance-scale must be a number >= 1 (1 = no CFG), got {args.guidance_scale}")
+    if args.guidance_scale is not None and not 1 <= args.guidance_scale <= MAX_GUIDANCE_SCALE:
+        parser.error(
+            f"--guidance-scale must be a number in [1, {MAX_GUIDANCE_SCALE:g}] (1 = no CFG), got {args.guidance_scale}"
+        )
+    check_out_dir(parser, args)
     if args.smoke:
         args.teacher_rollouts, args.student_rollouts, args.n_per_class, args.eval_seeds = 2, 2, 3, 1
         args.train_eval_samples = 1
@@ -404,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.unguided and scale != 1.0:
         variants.append(("phase2", 4, 1.0))
     variants = list(dict.fromkeys(variants))  # --quality with --ablation lora trains that student once
+    if not variants:
+        logger.warning("no student to train: --unguided adds none when the distilled CFG is already 1")
     students = {}
     for phase, steps, cfg in variants:
         name = f"student-{steps}step-cfg{cfg:g}" + ("" if phase == "phase2" else f"-{phase}")
@@ -431,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from miles.eval.digits import evaluate_suite
     from miles.eval.report import format_summary_table
 
-    sections, all_results = [], []
+    sections, all_results, tag = [], [], study_tag(args)
     sweep_rows = [[f"{row['guidance_scale']:g}", f"{row['fd']:.3f}", f"{100 * row['accuracy']:.1f}%",
                    f"{row['recall']:.3f}"] for row in sweep]  # fmt: skip
     sections.append(
@@ -441,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     for cfg in sorted({cfg for _, _, cfg in variants}, reverse=True):
         chosen = {name: str(path) for (_, c, _), (name, path) in students.items() if c == cfg}
-        results = evaluate_suite(str(teacher), chosen, out / f"eval-cfg{cfg:g}", guidance_scale=cfg,
+        results = evaluate_suite(str(teacher), chosen, out / f"eval-cfg{cfg:g}{tag}", guidance_scale=cfg,
                                  n_per_class=args.n_per_class, seeds=range(args.eval_seeds))  # fmt: skip
         section = f"### CFG {cfg:g}\n\n{format_summary_table(results)}"
         bars = bar_rows(results, cfg, run_dirs)
@@ -459,10 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     if plots:
         sections.append("### Training plots\n\n" + "\n".join(plots))
     summary = "\n\n".join(sections)
-    (out / "summary.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
-    (out / "summary.json").write_text(json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n")
-    logger.info("finished in %.0fs; tables in %s and grids under %s/eval-cfg*/", time.perf_counter() - start,
-                out / "summary.md", out)  # fmt: skip
+    (out / f"summary{tag}.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
+    (out / f"summary{tag}.json").write_text(
+        json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n"
+    )
+    logger.info("finished in %.0fs; tables in %s and grids under %s", time.perf_counter() - start,
+                out / f"summary{tag}.md", out / f"eval-cfg*{tag}")  # fmt: skip
     print(summary)
     return 0
 

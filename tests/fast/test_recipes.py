@@ -105,6 +105,13 @@ def test_digits_recipe_help():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--guidance-scale", "--one-step", "--smoke", "--ranks"):
         assert flag in proc.stdout
+    # The whole first paragraph of the description, each default that has a value, and each ablation's flags.
+    assert "into a 4-step\nstudent, evaluate everything and print the table." in proc.stdout
+    assert "(default: 300)" in proc.stdout and "(default: None)" not in proc.stdout
+    assert (
+        "  warmup: --dmd2-gan-disc-weight 1e-2 --dmd2-gan-gen-weight 0.03 --dmd2-gan-max-timestep-ratio 0.5 "
+        "--ema-decay 0.99\n" in proc.stdout
+    )
 
 
 def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_path):
@@ -145,9 +152,13 @@ def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
     # after the teacher's training.
     for extra, message in (
         (["--ranks", "3"], "--ranks must be 1 or 2"),
-        (["--guidance-scale", "0.5"], "--guidance-scale must be a number >= 1 (1 = no CFG), got 0.5"),
+        (["--guidance-scale", "0.5"], "--guidance-scale must be a number in [1, 100] (1 = no CFG), got 0.5"),
+        (["--guidance-scale", "1e308"], "--guidance-scale must be a number in [1, 100] (1 = no CFG), got 1e+308"),
         (["--student-rollouts", "0"], "--student-rollouts must be >= 1, got 0"),
-        (["--only-ablations"], "--only-ablations trains the --ablation, --one-step and --phase1 students"),
+        (["--only-ablations"], "--only-ablations trains the --ablation, --one-step, --phase1 and --unguided students"),
+        (["--only-ablations", "--quality", "--ablation", "ema"], "--quality replaces the recipe's student, which"),
+        # Without a finished teacher in --out the study would first train one of its own.
+        (["--only-ablations", "--ablation", "ema"], "--only-ablations trains on a finished run's teacher, and"),
         (["--ablation", "nope"], "argument --ablation: invalid choice: 'nope'"),
         (["--student-seed", "-1"], "--student-seed must be in [0, 2**63 - 1] (train_diffusion.py's --seed), got -1"),
     ):
@@ -209,6 +220,33 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
     assert (lora.lora_rank, lora.critic_lora_rank, lora.lr, lora.critic_lr) == (16, 16, 1e-3, 4e-3)
     late = recipe.ABLATIONS["gan-late"]
     assert late[late.index("--dmd2-gan-start-rollout") + 1] == "{half}"
+
+
+def test_digits_recipe_rejects_an_out_that_cannot_hold_a_run_and_leaves_it_as_it_was(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file the user keeps\n")
+    script = [sys.executable, str(REPO / "examples" / "digits" / "run_digits.py")]
+    for out, message in (
+        (taken, f"--out {taken}: {taken} is a file, not a directory"),
+        (taken / "digits", f"--out {taken / 'digits'}: {taken} is a file, not a directory"),
+        ("", "argument --out: an empty path; pass the run directory"),
+    ):
+        proc = subprocess.run([*script, "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"run_digits.py: error: {message}", proc.stderr
+    assert taken.read_text() == "a file the user keeps\n"
+
+
+def test_an_ablation_study_writes_its_tables_beside_the_full_runs(tmp_path):
+    # --only-ablations in a finished run's --out: its tables and grids are named after the students it adds, so the
+    # recipe's summary.md and eval-cfg<w>/ stay as they were.
+    recipe = _run_digits_module()
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / recipe.COMPLETE).write_text("{}")
+    study = ["--out", str(tmp_path), "--only-ablations", "--ablation", "warmup", "--ablation", "ema", "--one-step"]
+    assert recipe.study_tag(recipe.parse_args(study)) == "-warmup+ema+one-step"
+    assert recipe.study_tag(recipe.parse_args([*study, "--student-seed", "7"])) == "-warmup+ema+one-step-seed7"
+    assert recipe.study_tag(recipe.parse_args(["--out", str(tmp_path), "--ablation", "warmup"])) == ""
 
 
 def test_compare_runs_names_a_missing_or_broken_run_in_one_line(tmp_path):
