@@ -183,8 +183,15 @@ def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
     sweep_dir = out / "eval-cfg-sweep"
     summary = sweep_dir / "sweep.json"
     if stage_done(sweep_dir) and summary.is_file():
-        logger.info("[sweep] reusing %s", summary)
-        return json.loads(summary.read_text())
+        try:
+            rows = json.loads(summary.read_text())
+            if {row["guidance_scale"] for row in rows} >= set(SWEEP_SCALES) and all("fd" in row for row in rows):
+                logger.info("[sweep] reusing %s", summary)
+                return rows
+        except (ValueError, TypeError, KeyError):
+            pass
+        # A few seconds of sampling: redone rather than stopping the run over a damaged file.
+        logger.warning("[sweep] %s is not a complete sweep; sweeping again", summary)
     from miles.eval.digits.hook import evaluate_pipeline, load_pipeline
 
     pipeline = load_pipeline(teacher)

@@ -249,6 +249,26 @@ def test_an_ablation_study_writes_its_tables_beside_the_full_runs(tmp_path):
     assert recipe.study_tag(recipe.parse_args(["--out", str(tmp_path), "--ablation", "warmup"])) == ""
 
 
+def test_a_damaged_sweep_file_is_swept_again_and_a_complete_one_reused(tmp_path, caplog):
+    # An untrained digits pipeline stands in for the teacher: the sweep's figures are not the point here.
+    recipe = _run_digits_module()
+    teacher = tmp_path / "teacher"
+    init = [sys.executable, "-m", "miles.models.digits", "init", str(teacher), "--max-length", "8"]
+    subprocess.run(init, env=_env(), check=True, capture_output=True, timeout=300)
+    sweep_dir = tmp_path / "eval-cfg-sweep"
+    sweep_dir.mkdir()
+    (sweep_dir / recipe.COMPLETE).write_text("{}")
+    (sweep_dir / "sweep.json").write_text('[{"guidance_scale": 1.0}')  # cut mid-write
+    with caplog.at_level("INFO", logger="digits"):
+        rows = recipe.cfg_sweep(teacher, tmp_path, n_per_class=2)
+    assert [row["guidance_scale"] for row in rows] == list(recipe.SWEEP_SCALES)
+    assert "is not a complete sweep; sweeping again" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="digits"):
+        assert recipe.cfg_sweep(teacher, tmp_path, n_per_class=2) == json.loads(json.dumps(rows, default=str))
+    assert "[sweep] reusing" in caplog.text
+
+
 def test_compare_runs_names_a_missing_or_broken_run_in_one_line(tmp_path):
     script = REPO / "examples" / "digits" / "compare_runs.py"
     (tmp_path / "cut").mkdir()
