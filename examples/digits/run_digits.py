@@ -27,10 +27,12 @@ Every stage is a subprocess running the project's own command line, so the log s
 """
 
 import argparse
+import hashlib
 import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 COMPLETE = ".miles_stage_complete.json"
 SWEEP_SCALES = (1.0, 1.5, 2.0, 3.0)
+# Keeps summary<tag>.json and eval-cfg<w><tag>/ well under the file systems' 255 bytes a name.
+MAX_TAG_LENGTH = 120
 # Far above any useful CFG scale, and finite in float32, where the teacher's guided velocity is computed.
 MAX_GUIDANCE_SCALE = 100.0
 
@@ -151,10 +155,26 @@ def mark_done(path: Path, **info) -> None:
     os.replace(tmp, path / COMPLETE)
 
 
+def end_stages_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's, a timeout's) a ``SystemExit`` in this process, so that :func:`run` ends the
+    running stage as well instead of leaving it training."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def run(cmd: list[str]) -> None:
     logger.info("$ %s", shlex.join(cmd))
     start = time.perf_counter()
-    returncode = subprocess.run(cmd, cwd=REPO).returncode
+    stage = subprocess.Popen(cmd, cwd=REPO)
+    try:
+        returncode = stage.wait()
+    except BaseException:
+        # Ctrl-C or SIGTERM (main turns it into SystemExit) ends the running stage too, not only this script.
+        stage.terminate()
+        try:
+            stage.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stage.kill()
+        raise
     if returncode != 0:
         # The stage printed its own error; stop here so no later stage runs on a missing or partial output.
         logger.error("stage failed with exit code %d: %s", returncode, shlex.join(cmd))
@@ -185,10 +205,13 @@ def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
     if stage_done(sweep_dir) and summary.is_file():
         try:
             rows = json.loads(summary.read_text())
-            if {row["guidance_scale"] for row in rows} >= set(SWEEP_SCALES) and all("fd" in row for row in rows):
+            complete = sorted(row["guidance_scale"] for row in rows) == sorted(SWEEP_SCALES) and all(
+                isinstance(row[key], (int, float)) for row in rows for key in ("fd", "accuracy", "recall")
+            )
+            if complete:
                 logger.info("[sweep] reusing %s", summary)
                 return rows
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             pass
         # A few seconds of sampling: redone rather than stopping the run over a damaged file.
         logger.warning("[sweep] %s is not a complete sweep; sweeping again", summary)
@@ -322,16 +345,24 @@ def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--out {out}: {existing} is not writable")
 
 
-def study_tag(args: argparse.Namespace) -> str:
-    """``""`` for the recipe's run; for ``--only-ablations`` the students it adds, e.g. ``"-warmup+one-step"``, so that
-    its tables and grids sit beside the full run's instead of replacing them."""
-    if not args.only_ablations:
-        return ""
-    names = [*dict.fromkeys(args.ablation)] + [
-        flag for flag in ("one-step", "phase1", "unguided") if getattr(args, flag.replace("-", "_"))
-    ]
-    seed = "" if args.student_seed is None else f"-seed{args.student_seed}"
-    return "-" + "+".join(names) + seed
+def study_tag(args: argparse.Namespace, with_cfg: bool = True) -> str:
+    """The suffix of this invocation's tables and grids, so that a study sits beside the full run instead of replacing
+    it: ``""`` for the recipe's own run; else the students an ``--only-ablations`` run adds, the ``--guidance-scale``
+    (unless ``with_cfg`` is False: the grids' ``eval-cfg<w>`` already names it) and the ``--student-seed`` that set it
+    apart, e.g. ``"-warmup+one-step-seed7"`` (a hash when that would make too long a file name)."""
+    parts = []
+    if args.only_ablations:
+        students = [*dict.fromkeys(args.ablation)]
+        students += [flag for flag in ("one-step", "phase1", "unguided") if getattr(args, flag.replace("-", "_"))]
+        parts.append("+".join(students))
+    if with_cfg and args.guidance_scale is not None:
+        parts.append(f"cfg{args.guidance_scale:g}")
+    if args.student_seed is not None:
+        parts.append(f"seed{args.student_seed}")
+    tag = "".join(f"-{part}" for part in parts)
+    if len(tag) > MAX_TAG_LENGTH:
+        tag = "-study-" + hashlib.sha256(tag.encode()).hexdigest()[:12]
+    return tag
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -439,7 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     # The recipe's own lines only: the evaluation's pipeline loads stay quiet (no loading bars).
     setup_logging("INFO")
     out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # parse_args checked the nearest existing parent; /proc and the like pass that check
+        print(f"run_digits.py: error: --out {out} cannot be created: {exc.strerror}", file=sys.stderr)
+        return 2
+    end_stages_on_sigterm()
     start = time.perf_counter()
 
     from miles.eval.digits.data import write_digits_jsonl
@@ -518,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     from miles.eval.digits import evaluate_suite
     from miles.eval.report import format_summary_table
 
-    sections, all_results, tag = [], [], study_tag(args)
+    # The tables' suffix, and the grids' (whose eval-cfg<w> directory names the scale already).
+    sections, all_results, tag, grid_tag = [], [], study_tag(args), study_tag(args, with_cfg=False)
     sweep_rows = [[f"{row['guidance_scale']:g}", f"{row['fd']:.3f}", f"{100 * row['accuracy']:.1f}%",
                    f"{row['recall']:.3f}"] for row in sweep]  # fmt: skip
     sections.append(
@@ -528,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     for cfg in sorted({cfg for _, _, cfg in variants}, reverse=True):
         chosen = {name: str(path) for (_, c, _), (name, path) in students.items() if c == cfg}
-        results = evaluate_suite(str(teacher), chosen, out / f"eval-cfg{cfg:g}{tag}", guidance_scale=cfg,
+        results = evaluate_suite(str(teacher), chosen, out / f"eval-cfg{cfg:g}{grid_tag}", guidance_scale=cfg,
                                  n_per_class=args.n_per_class, seeds=range(args.eval_seeds))  # fmt: skip
         section = f"### CFG {cfg:g}\n\n{format_summary_table(results)}"
         bars = bar_rows(results, cfg, run_dirs)
@@ -551,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n"
     )
     logger.info("finished in %.0fs; tables in %s and grids under %s", time.perf_counter() - start,
-                out / f"summary{tag}.md", out / f"eval-cfg*{tag}")  # fmt: skip
+                out / f"summary{tag}.md", out / f"eval-cfg*{grid_tag}")  # fmt: skip
     print(summary)
     return 0
 

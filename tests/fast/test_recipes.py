@@ -4,10 +4,13 @@ digits recipe's command line parses."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.support.ray import REPO
@@ -246,7 +249,44 @@ def test_an_ablation_study_writes_its_tables_beside_the_full_runs(tmp_path):
     study = ["--out", str(tmp_path), "--only-ablations", "--ablation", "warmup", "--ablation", "ema", "--one-step"]
     assert recipe.study_tag(recipe.parse_args(study)) == "-warmup+ema+one-step"
     assert recipe.study_tag(recipe.parse_args([*study, "--student-seed", "7"])) == "-warmup+ema+one-step-seed7"
+    at_cfg3 = recipe.parse_args([*study, "--guidance-scale", "3"])
+    assert recipe.study_tag(at_cfg3) == "-warmup+ema+one-step-cfg3"
+    assert recipe.study_tag(at_cfg3, with_cfg=False) == "-warmup+ema+one-step"  # eval-cfg3-... names the scale
+    # A full run on another training seed of a finished run's teacher keeps the first run's tables too.
+    assert recipe.study_tag(recipe.parse_args(["--out", str(tmp_path), "--student-seed", "7"])) == "-seed7"
     assert recipe.study_tag(recipe.parse_args(["--out", str(tmp_path), "--ablation", "warmup"])) == ""
+    every = [arg for name in recipe.ABLATIONS for arg in ("--ablation", name)]
+    long_tag = recipe.study_tag(recipe.parse_args([*study, *every, "--phase1", "--student-seed", "7"]))
+    assert long_tag.startswith("-study-") and len(long_tag) == len("-study-") + 12
+
+
+def test_a_terminated_recipe_ends_its_running_stage(tmp_path):
+    # A scheduler's SIGTERM to run_digits.py must not leave the stage it runs (a training) behind. The stage here is a
+    # sleeping child that writes its PID; the test ends exactly the processes it started.
+    pid_file = tmp_path / "stage.pid"
+    stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    driver = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('run_digits', {str(REPO / 'examples' / 'digits' / 'run_digits.py')!r})\n"
+        "recipe = importlib.util.module_from_spec(spec); spec.loader.exec_module(recipe)\n"
+        "recipe.end_stages_on_sigterm()\n"
+        f"recipe.run([sys.executable, '-c', {stage!r}])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stage did not start"
+            time.sleep(0.1)
+        stage_pid = int(pid_file.read_text())
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # reaped by the recipe's wait, so not even a zombie is left
+            os.kill(stage_pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_damaged_sweep_file_is_swept_again_and_a_complete_one_reused(tmp_path, caplog):
@@ -267,6 +307,15 @@ def test_a_damaged_sweep_file_is_swept_again_and_a_complete_one_reused(tmp_path,
     with caplog.at_level("INFO", logger="digits"):
         assert recipe.cfg_sweep(teacher, tmp_path, n_per_class=2) == json.loads(json.dumps(rows, default=str))
     assert "[sweep] reusing" in caplog.text
+    # Well-formed JSON with a figure that is not a number would fail later, when the tables are written.
+    damaged = json.loads((sweep_dir / "sweep.json").read_text())
+    damaged[2]["fd"] = None
+    (sweep_dir / "sweep.json").write_text(json.dumps(damaged))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="digits"):
+        again = recipe.cfg_sweep(teacher, tmp_path, n_per_class=2)
+    assert "is not a complete sweep; sweeping again" in caplog.text
+    assert all(isinstance(row["fd"], float) for row in again)
 
 
 def test_compare_runs_names_a_missing_or_broken_run_in_one_line(tmp_path):
