@@ -1,8 +1,9 @@
 """What every model family gives the engine and the trainers: the ``ModelFamily`` protocol.
 
-A family wraps one kind of diffusers pipeline directory (``sd3``, ``digits``): it loads the denoiser and the text
-encoder, turns prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one
-and says which config figures a teacher or critic must share with the student. What a family can do beyond that
+A family wraps one kind of diffusers pipeline directory (``sd3``, ``digits``): it loads the denoiser (or builds it
+on the meta device and names its weight files, for the trainers' sharded start-up) and the text encoder, turns
+prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one and says which
+config figures a teacher or critic must share with the student. What a family can do beyond that
 is declared by subclassing the capability protocols of :mod:`miles.models.capabilities` (its guidance form, a
 pixel codec, a feature tap for the DMD2 GAN head). A new family (FLUX, Wan, ...) subclasses these protocols and
 registers itself (:mod:`miles.models.registry`); nothing else in miles knows which denoiser class or cond keys a

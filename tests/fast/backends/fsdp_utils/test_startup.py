@@ -8,6 +8,7 @@ the CPU the shards live in host memory, so a rank's peak RSS during the load is 
 torch.distributed over gloo, real FSDP2, a real diffusers checkpoint written with ``save_pretrained``.
 """
 
+import json
 import traceback
 from pathlib import Path
 
@@ -224,3 +225,44 @@ def test_the_sharded_load_equals_todays_whole_model_load_bit_for_bit(tmp_path):
         assert results[rank]["lora"]["adapters"] > 0 and results[rank]["full"]["adapters"] == 0
         assert results[rank]["wan_frozen"]["teacher"] == [] and results[rank]["wan_frozen"]["rng"]
         assert results[rank]["wan_frozen"]["float32"], "no float32-kept module: the rule was not exercised"
+
+
+# -- the files: what a family names, and what a bad checkpoint says --------------------------------------------------
+def test_weight_files_are_the_single_file_or_the_index_shards_and_a_bad_checkpoint_fails_in_one_line(tmp_path):
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file, save_file
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    family = get_model_family(pipeline)
+    folder = pipeline / DENOISER
+    assert family.denoiser_weight_files(pipeline) == [folder / "diffusion_pytorch_model.safetensors"]
+    assert family.denoiser_class(pipeline) is SD3Transformer2DModel
+    # A sharded checkpoint: the files its index lists, each once, and the same weights once loaded.
+    sharded = tmp_path / "sharded"
+    family.load_denoiser(pipeline).save_pretrained(sharded / DENOISER, max_shard_size="200KB")
+    files = family.denoiser_weight_files(sharded)
+    assert len(files) > 1 and all(file.parent == sharded / DENOISER for file in files)
+    whole = load_trainable_denoiser(family, str(pipeline), None, CPU, torch.float32).state_dict()
+    again = load_trainable_denoiser(family, str(sharded), None, CPU, torch.float32).state_dict()
+    assert all(torch.equal(whole[name], again[name]) for name in whole)
+    files[-1].unlink()
+    with pytest.raises(FileNotFoundError, match=r"index.json lists weight files that are missing: \[.*"):
+        family.denoiser_weight_files(sharded)
+    # Pickled weights only: the error says how to re-save (preflight refuses them before Ray with the same advice).
+    (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"no diffusion_pytorch_model.safetensors .* safe_serialization=True"):
+        family.denoiser_weight_files(pipeline)
+    (folder / "diffusion_pytorch_model.bin").rename(folder / "diffusion_pytorch_model.safetensors")
+    # A tensor missing from the files, or of another shape, is named before training starts.
+    state = load_file(folder / "diffusion_pytorch_model.safetensors")
+    bad = {name: value for name, value in state.items() if name != "proj_out.bias"}
+    save_file(bad, folder / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"the weight files hold no value for proj_out.bias"):
+        load_trainable_denoiser(family, str(pipeline), None, CPU, torch.float32)
+    save_file({**state, "proj_out.bias": state["proj_out.bias"][:1]}, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'proj_out.bias' has shape \(1,\), the model's is \(\d+,\)"):
+        load_trainable_denoiser(family, str(pipeline), None, CPU, torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_class_name": "NoSuchTransformer"}))
+    with pytest.raises(ValueError, match=r"names _class_name 'NoSuchTransformer', which is not a diffusers model"):
+        family.build_meta_denoiser(pipeline)
