@@ -19,7 +19,7 @@ declaration). Each protocol's abstract methods must then be implemented.
 
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,15 @@ Predict = Callable[[Tensor, Tensor, Cond], Tensor]
 
 class TrueCFG(Protocol):
     """Guidance form: classifier-free guidance with two branches, ``v = v_u + w·(v_c − v_u)`` (Ho & Salimans 2022),
-    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward."""
+    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward.
+
+    Class attributes:
+        stock_cfg_norm_rescale: whether the family's stock sampler rescales the guided prediction to the conditional
+            one's norm (``QwenImagePipeline``); such a family implements :meth:`norm_rescaled_cfg`, and
+            ``--dmd2-teacher-cfg-norm-rescale`` defaults to it. False: plain CFG only.
+    """
+
+    stock_cfg_norm_rescale: ClassVar[bool] = False
 
     def guided_velocity(
         self,
@@ -55,13 +63,27 @@ class TrueCFG(Protocol):
         cond: Cond,
         neg_cond: Cond | None,
         guidance_scale: float,
+        *,
+        norm_rescale: bool = False,
     ) -> Tensor:
-        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`.
+        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`, the two
+        branches combined by :meth:`norm_rescaled_cfg` with ``norm_rescale`` (the stock sampler's rescale).
 
         Raises:
-            ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``.
+            ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``; with
+                ``norm_rescale`` for a family without :attr:`stock_cfg_norm_rescale`.
         """
-        return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)
+        if not norm_rescale:
+            return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)
+        if not self.stock_cfg_norm_rescale:
+            name = getattr(self, "name", type(self).__name__)
+            raise ValueError(f"the {name} family's stock sampler has no CFG norm rescale; guide it plainly")
+        return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale, self.norm_rescaled_cfg)
+
+    def norm_rescaled_cfg(self, v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
+        """CFG as the family's stock sampler rescales it, float32 ``(B, *latent_shape)`` (only where
+        :attr:`stock_cfg_norm_rescale`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no CFG norm rescale")
 
 
 class EmbeddedGuidance(Protocol):
@@ -81,8 +103,16 @@ class EmbeddedGuidance(Protocol):
         cond: Cond,
         neg_cond: Cond | None,
         guidance_scale: float,
+        *,
+        norm_rescale: bool = False,
     ) -> Tensor:
-        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``."""
+        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``.
+
+        Raises:
+            ValueError: with ``norm_rescale``: one guided forward has no conditional branch to rescale to.
+        """
+        if norm_rescale:
+            raise ValueError("embedded guidance runs one forward: there is no conditional branch to rescale to")
         extra = self.guidance_cond(guidance_scale, len(latents))
         extra = {key: value.to(latents.device) for key, value in extra.items()}
         return predict(latents, timestep, {**cond, **extra}).float()

@@ -13,8 +13,9 @@ reaches the transformer; the negative prompt of CFG is ``""`` (the pipeline's ow
 
 **Timestep.** The transformer takes σ ∈ [0, 1] (the pipeline passes ``timestep / 1000``).
 
-**Guidance.** True CFG with the empty prompt (klein-base). The step-distilled klein release (``is_distilled`` in
-``model_index.json``) runs no CFG: :meth:`Flux2Family.max_guidance_scale` is 1 and preflight rejects more.
+**Guidance.** True CFG with the empty prompt (klein-base), at ``guidance_scale`` 4.0 by default (the call's). The
+step-distilled klein release (``is_distilled`` in ``model_index.json``) runs no CFG:
+:meth:`Flux2Family.max_guidance_scale` and :meth:`Flux2Family.stock_guidance_scale` are 1 and preflight rejects more.
 
 **Flow shift.** The pipeline passes ``sigmas = linspace(1, 1/S, S)`` and ``mu = compute_empirical_mu(tokens, S)``
 to a dynamic exponential scheduler, the static shift ``e^mu`` (docs/families.md); :meth:`Flux2Family.flow_shift`
@@ -36,9 +37,11 @@ from miles.models.stock_defaults import read_sample_size
 
 __all__ = ["Flux2Family", "Flux2PromptEncoder", "patchify", "unpatchify"]
 
-# Flux2KleinPipeline's max_sequence_length (the prompt is padded to it) and default step count
+# Flux2KleinPipeline's max_sequence_length (the prompt is padded to it), default step count and default
+# guidance_scale (diffusers 0.42.1; the klein-base model card's 4.0)
 TEXT_TOKENS = 512
 STOCK_NUM_STEPS = 50
+STOCK_GUIDANCE_SCALE = 4.0
 # Flux2KleinPipeline.default_sample_size (latent pixels): 128 · vae_scale_factor 8 = 1024 pixels
 DEFAULT_SAMPLE_SIZE = 128
 # transformer config keys a teacher and a critic must share with the student
@@ -184,6 +187,11 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         on it), else no limit."""
         index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
         return 1.0 if index.get("is_distilled") else None
+
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """4.0 (``Flux2KleinPipeline.__call__``'s ``guidance_scale``) for klein-base; 1 for a step-distilled
+        checkpoint, on which the pipeline never runs CFG."""
+        return STOCK_GUIDANCE_SCALE if self.max_guidance_scale(path) is None else 1.0
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static scheduler at the student's shift: ``Flux2KleinPipeline`` passes ``linspace(1, 1/S, S)`` itself

@@ -35,9 +35,11 @@ from miles.models.stock_defaults import read_sample_size
 
 __all__ = ["WanFamily", "WanPromptEncoder"]
 
-# WanPipeline.__call__'s max_sequence_length and default clip (frames, height, width)
+# WanPipeline.__call__'s max_sequence_length, default clip (frames, height, width) and default guidance_scale
+# (diffusers 0.42.1)
 TEXT_TOKENS = 512
 DEFAULT_SAMPLE_SIZE = (81, 480, 832)
+STOCK_GUIDANCE_SCALE = 5.0
 # transformer config keys a teacher and a critic must share with the student
 COMPATIBLE_KEYS = {
     "in_channels": "latent channels",
@@ -181,6 +183,11 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         ``shift``."""
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         return float(config.get("flow_shift", config.get("shift", 1.0)))
+
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """5.0: ``WanPipeline.__call__``'s ``guidance_scale`` (one expert; Wan 2.2's second expert has its own
+        ``guidance_scale_2``, which miles does not train)."""
+        return STOCK_GUIDANCE_SCALE
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
         """A static scheduler whose ``set_timesteps(S)`` builds the student's grid (``shift`` m, ``shift_terminal``),

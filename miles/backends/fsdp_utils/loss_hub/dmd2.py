@@ -231,14 +231,15 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
     score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
-    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are
-    resharded afterwards, also on error.
+    CFG over the pairs' negative cond (with the stock sampler's per-token norm rescale when the settings ask for it:
+    Qwen-Image), or the scale as an input for a guidance-distilled teacher. Both models are resharded afterwards,
+    also on error.
 
     Args:
         ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
             (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
-            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale,
-            scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
+            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale and
+            norm rescale, scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
     It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
@@ -273,6 +274,9 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     true_cfg = supports(ctx.family, TrueCFG)
     if guidance_scale != 1.0 and true_cfg:
         _check_negative_conds(train_pairs, guidance_scale)
+    # the stock sampler's per-token norm rescale (Qwen-Image), passed only when asked for: a family's own
+    # guided_velocity need not take the keyword
+    rescale = {"norm_rescale": True} if settings.teacher_cfg_norm_rescale and guidance_scale != 1.0 else {}
     grid = trainer_flow_grid(args)
     # The continuous rules draw σ in the range itself; only the grid rule needs grid points inside it.
     allowed = scoring_grid_indices(args, grid) if settings.scoring_sigma == "grid" else None
@@ -296,7 +300,13 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                     collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 and true_cfg else None
                 )
                 v_real = ctx.family.guided_velocity(
-                    partial(ctx.predict_velocity, teacher), x_sigma, timestep, pos_cond, neg_cond, guidance_scale
+                    partial(ctx.predict_velocity, teacher),
+                    x_sigma,
+                    timestep,
+                    pos_cond,
+                    neg_cond,
+                    guidance_scale,
+                    **rescale,
                 )
                 v_fake = ctx.predict_velocity(critic, x_sigma, timestep, pos_cond)
                 x0_real_parts.append(x0_from_velocity(x_sigma, sigma_b, v_real.cpu()))
