@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
 
@@ -212,7 +212,8 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float normalised latents ``(B, C, h, w)`` → uint8 ``(B, 8h, 8w, 3)``."""
         mean, std = self._statistics()
-        latents = latents.detach().float().cpu() * std + mean
-        pixels = self.vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
+        latents = latents.detach().float() * std.to(latents.device) + mean.to(latents.device)
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
         pixels = ((pixels.clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0).round()
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

@@ -193,7 +193,7 @@ class FSDPTrainRayActor:
         """
         with self.trainer.sleeper.awake(), self.trainer.eval_weights():
             latents = self.generator.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        return decode_latents(self.family, latents)
+        return decode_latents(self.family, latents, self.device)
 
     # -- training ------------------------------------------------------------------------------------------------
     def _pairs(self, rollout_id: int | str, pairs_box: Box) -> list[TrainPair]:
