@@ -95,14 +95,18 @@ def qwen_image_velocity(
     param = next(denoiser.parameters())
     device, dtype = param.device, param.dtype
     batch, _, height, width = latents.shape
-    mask = cond["encoder_hidden_states_mask"].to(device) > 0.5
+    # The cut and the mask-or-None choice set the call's shapes, so the host needs them: read from the mask where it
+    # lies on the host (the sampler's cond, a prompt cache's), they cost no wait for the GPU; a mask a caller already
+    # moved to the GPU costs one transfer (there were two, each a sync, in every forward).
+    mask = cond["encoder_hidden_states_mask"].detach().cpu() > 0.5
     length = max(int(mask.sum(dim=1).max()), 1)
     mask = mask[:, :length]
+    padded = not bool(mask.all())
     out = denoiser(
         hidden_states=pack_latents(latents.to(device, dtype)),
         timestep=timestep.to(device, torch.float32) / 1000,
         encoder_hidden_states=cond["encoder_hidden_states"][:, :length].to(device, dtype),
-        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        encoder_hidden_states_mask=mask.to(device, non_blocking=True) if padded else None,
         img_shapes=[[(1, height // PACK, width // PACK)]] * batch,
         return_dict=False,
     )[0]
