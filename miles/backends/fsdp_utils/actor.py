@@ -370,6 +370,9 @@ class FSDPTrainRayActor:
         return self.trainer.sleeper.state
 
     def shutdown(self) -> None:
-        """Close the process group."""
+        """Free the group's pinned host buffers (awake) and close the process group."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and not trainer.sleeper.asleep:
+            trainer.sleeper.release_host_buffers()
         if dist.is_initialized():
             dist.destroy_process_group()
