@@ -70,6 +70,13 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="CPUs (and torch threads) of each rank's bundle; default: a node's CPUs / its ranks.",
     )
     group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=60.0,
+        help="How long a rank waits for the others in a collective before giving up (the process groups' timeout; "
+        "NCCL's own default is 10). Rank 0 alone exports pipelines and pushes weights to engine replicas meanwhile.",
+    )
+    group.add_argument(
         "--ray-address",
         type=str,
         default=None,

@@ -17,8 +17,9 @@ declaration). Each protocol's abstract methods must then be implemented.
   (``--dmd2-reward-weight``), whose reward gradient flows back through the decode.
 """
 
+import contextlib
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "TokenFeatures",
     "TrueCFG",
     "decode_latents",
+    "module_on",
     "require",
     "supports",
 ]
@@ -134,7 +136,8 @@ class PixelCodec(Protocol):
 
     @abstractmethod
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``)."""
+        """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``) on the
+        CPU, decoded on the latents' device (a VAE moves there for the call, :func:`module_on`)."""
 
 
 class DifferentiablePixels(Protocol):
@@ -185,13 +188,28 @@ def require(family: Any, capability: type, needed_by: str) -> None:
         )
 
 
-def decode_latents(family: Any, latents: torch.Tensor) -> torch.Tensor:
-    """Latents ``(B, *latent_shape)`` as uint8 pixels for eval grids and hooks: the family's
-    :meth:`PixelCodec.latents_to_images` when it has one, else the raw latent read as pixels in [-1, 1]
+@contextlib.contextmanager
+def module_on(module: nn.Module, device: torch.device | str) -> Iterator[nn.Module]:
+    """``module`` moved to ``device`` for a block, and back to where it was after it: a frozen VAE decodes eval
+    images on the worker's GPU, then leaves it, so that it holds no GPU memory the memory plan does not count. A
+    module already on ``device`` (a reward group's VAE, kept there by ``latents_to_pixels``) stays there."""
+    param = next(module.parameters(), None)
+    home = param.device if param is not None else torch.device(device)
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
+
+
+def decode_latents(family: Any, latents: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Latents ``(B, *latent_shape)`` as uint8 pixels on the CPU for eval grids and hooks: the family's
+    :meth:`PixelCodec.latents_to_images` when it has one, run on ``device`` (the worker's GPU; default the latents'
+    own device: a VAE decode on a CPU core is minutes at 1024 px), else the raw latent read as pixels in [-1, 1]
     (``round((x + 1) · 127.5)`` after clipping) with its first 3 channels (or its one) as colours, so that a family
     without a codec still shows something. Returns ``(B, H, W, C)`` or, for video, ``(B, F, H, W, C)``."""
     if supports(family, PixelCodec):
-        return family.latents_to_images(latents)
+        return family.latents_to_images(latents if device is None else latents.to(device))
     x = latents.detach().float().cpu()
     x = x[:, :3] if x.shape[1] >= 3 else x[:, :1]
     pixels = torch.floor((x.clamp(-1.0, 1.0) + 1.0) * 127.5 + 0.5).to(torch.uint8)

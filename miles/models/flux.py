@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures
+from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
 
@@ -223,6 +223,7 @@ class FluxFamily(PackedDiTFamily, EmbeddedGuidance, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float normalised latents ``(B, C, h, w)`` → uint8 ``(B, 8h, 8w, 3)``."""
         scaling, shift = self._factors()
-        pixels = self.vae.decode(latents.detach().float().cpu() / scaling + shift, return_dict=False)[0]
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.detach().float() / scaling + shift, return_dict=False)[0]
         pixels = ((pixels.clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0).round()
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

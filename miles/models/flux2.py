@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import sigmas_call_scheduler_config
 from miles.models.stock_defaults import read_sample_size
@@ -258,8 +258,8 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """miles' latents ``(B, 4·C, h, w)`` → the VAE's ``(B, C, 2h, 2w)`` (what the stock call returns with
         ``output_type="latent"``)."""
-        mean, std = self._batch_norm()
-        return unpatchify(latents.detach().float().cpu() * std + mean)
+        mean, std = self._batch_norm()  # on the VAE's device
+        return unpatchify(latents.detach().float().to(mean.device) * std + mean)
 
     @torch.no_grad()
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
@@ -275,6 +275,7 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     @torch.no_grad()
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float ``(B, 4·C, h, w)`` → uint8 ``(B, 16h, 16w, 3)``."""
-        pixels = self.vae.decode(self.to_vae_latents(latents), return_dict=False)[0]
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(self.to_vae_latents(latents), return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
 
@@ -101,14 +101,18 @@ def qwen_image_velocity(
     param = next(denoiser.parameters())
     device, dtype = param.device, param.dtype
     batch, _, height, width = latents.shape
-    mask = cond["encoder_hidden_states_mask"].to(device) > 0.5
+    # The cut and the mask-or-None choice set the call's shapes, so the host needs them: read from the mask where it
+    # lies on the host (the sampler's cond, a prompt cache's), they cost no wait for the GPU; a mask a caller already
+    # moved to the GPU costs one transfer (there were two, each a sync, in every forward).
+    mask = cond["encoder_hidden_states_mask"].detach().cpu() > 0.5
     length = max(int(mask.sum(dim=1).max()), 1)
     mask = mask[:, :length]
+    padded = not bool(mask.all())
     out = denoiser(
         hidden_states=pack_latents(latents.to(device, dtype)),
         timestep=timestep.to(device, torch.float32) / 1000,
         encoder_hidden_states=cond["encoder_hidden_states"][:, :length].to(device, dtype),
-        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        encoder_hidden_states_mask=mask.to(device, non_blocking=True) if padded else None,
         img_shapes=[[(1, height // PACK, width // PACK)]] * batch,
         return_dict=False,
     )[0]
@@ -248,7 +252,8 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float normalised latents ``(B, C, h, w)`` → uint8 ``(B, 8h, 8w, 3)``."""
         mean, std = self._statistics()
-        latents = latents.detach().float().cpu() * std + mean
-        pixels = self.vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
+        latents = latents.detach().float() * std.to(latents.device) + mean.to(latents.device)
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
         pixels = ((pixels.clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0).round()
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 
 __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
@@ -271,10 +271,10 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiableP
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float VAE latents ``(B, C, h, w)`` → uint8 ``(B, h·f, w·f, 3)``."""
         scaling, shift = self._factors()
-        device = next(self.vae.parameters()).device  # the CPU, unless latents_to_pixels moved it
-        pixels = self.vae.decode(latents.detach().float().to(device) / scaling + shift, return_dict=False)[0].cpu()
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.detach().float() / scaling + shift, return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()
 
     def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """float VAE latents ``(B, C, h, w)`` → float32 pixels ``(B, 3, h·f, w·f)``, ``(decode + 1) / 2``, unclipped,

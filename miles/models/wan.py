@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import terminal_scheduler_config
 from miles.models.stock_defaults import read_sample_size
@@ -269,6 +269,8 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float latents ``(B, C, F', h, w)`` → uint8 clips ``(B, F, 8h, 8w, 3)``."""
         mean, std = self._statistics()
-        pixels = self.vae.decode(latents.detach().float().cpu() * std + mean, return_dict=False)[0]
+        latents = latents.detach().float() * std.to(latents.device) + mean.to(latents.device)
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents, return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 4, 1).contiguous()

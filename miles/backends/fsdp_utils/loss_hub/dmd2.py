@@ -139,7 +139,7 @@ def critic_gan_loss(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
     rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × the discriminator's loss
@@ -165,10 +165,10 @@ def critic_gan_loss(
     settings = dmd2_settings(ctx.args)
     gan = disc + judge_loss(settings, logit, prepared.extras, metrics) if len(groups) > 2 else disc
     weight = settings.gan_disc_weight
-    metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
-    metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_real", []).extend(logit["real"].detach().cpu().tolist())
-    metrics.setdefault("gan_logit_fake", []).extend(logit["fake"].detach().cpu().tolist())
+    metrics.setdefault("sft_loss", []).append(sft.detach())
+    metrics.setdefault("gan_disc_loss", []).append(disc.detach())
+    metrics.setdefault("gan_logit_real", []).append(logit["real"].detach())
+    metrics.setdefault("gan_logit_fake", []).append(logit["fake"].detach())
     return (sft + weight * gan).sum()
 
 
@@ -394,7 +394,7 @@ def prepare_generator_batch(ctx: TrainContext, train_pairs: list[DMD2Pair]) -> P
 
 
 def record_rollout_train_abs_diff(
-    metrics: dict[str, list[float]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
+    metrics: dict[str, list[float | torch.Tensor]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
 ) -> None:
     """Append per-pair gaps between a trainer-side tensor and its rollout counterpart to ``metrics``.
 
@@ -410,9 +410,9 @@ def record_rollout_train_abs_diff(
     diff = (train - rollout).abs().flatten(1)
     max_diff = diff.max(dim=1).values
     scale = rollout.abs().flatten(1).max(dim=1).values.clamp_min(_REL_EPS)
-    metrics.setdefault(f"{prefix}_mean_abs_diff", []).extend(diff.mean(dim=1).cpu().tolist())
-    metrics.setdefault(f"{prefix}_max_abs_diff", []).extend(max_diff.cpu().tolist())
-    metrics.setdefault(f"{prefix}_rel_max", []).extend((max_diff / scale).cpu().tolist())
+    metrics.setdefault(f"{prefix}_mean_abs_diff", []).append(diff.mean(dim=1).detach())
+    metrics.setdefault(f"{prefix}_max_abs_diff", []).append(max_diff.detach())
+    metrics.setdefault(f"{prefix}_rel_max", []).append((max_diff / scale).detach())
 
 
 def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.device):
@@ -445,7 +445,7 @@ def dmd2_loss_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """DMD2 generator surrogate, summed over the micro-batch's pairs ([DMD2 5/7]).
 
@@ -498,13 +498,13 @@ def dmd2_loss_formula(
         grad = add_reward_gradient(ctx, dm_grad, grad, prepared.extras["sample_index"], metrics)
     per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
 
-    metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())
-    metrics.setdefault("dmd2_grad_abs_mean", []).extend(grad.abs().flatten(1).mean(dim=1).cpu().tolist())
-    metrics.setdefault("dmd2_nonfinite_frac", []).extend(nonfinite.flatten(1).float().mean(dim=1).cpu().tolist())
+    metrics.setdefault("dmd2_loss", []).append(per_pair.detach())
+    metrics.setdefault("dmd2_grad_abs_mean", []).append(grad.abs().flatten(1).mean(dim=1).detach())
+    metrics.setdefault("dmd2_nonfinite_frac", []).append(nonfinite.flatten(1).float().mean(dim=1).detach())
     if g_gan is not None:
         gan_step = gan_weight * x0[0].numel() * g_gan
         ratio_norm = gan_step.flatten(1).norm(dim=1) / dm_grad.flatten(1).norm(dim=1).clamp_min(_REL_EPS)
-        metrics.setdefault("dmd2_gan_grad_abs_mean", []).extend(g_gan.abs().flatten(1).mean(dim=1).cpu().tolist())
-        metrics.setdefault("dmd2_gan_dm_grad_ratio", []).extend(ratio_norm.cpu().tolist())
+        metrics.setdefault("dmd2_gan_grad_abs_mean", []).append(g_gan.abs().flatten(1).mean(dim=1).detach())
+        metrics.setdefault("dmd2_gan_dm_grad_ratio", []).append(ratio_norm.detach())
     record_rollout_train_abs_diff(metrics, "x0", x0, prepared.extras["rollout_x0"])
     return per_pair.sum()
