@@ -34,8 +34,8 @@ failed or timed out, 2 for a bad command line.
               student (full weights, EMA, bf16) takes a step, sleeps, wakes and takes another; device memory reserved
               and allocated in each state, the seconds and the bytes moved. On CUDA the memory reserved asleep must be
               at most :data:`SLEEP_RESERVED_SHARE` of the awake one.
-``lora``      ``sd35`` with LoRA roles on one base (``--lora-rank 64 --critic-lora-rank 32``: the critic and the teacher
-              share the base, the teacher being the base with the adapters off).
+``lora``      ``sd35`` with LoRA roles on one base (``--lora-rank 64 --critic-lora-rank 32``: the critic and the
+              teacher share the base, the teacher being the base with the adapters off).
 ``sd35_gc``   ``sd35`` with ``--gradient-checkpointing``.
 
 The report (printed at the end as markdown tables, and written to ``--out`` / ``--json``): each stage's status and
@@ -112,7 +112,7 @@ TEXT_TOKENS = 77 + 256
 GIB = 2**30
 
 STAGES = ("sd35", "families", "sleep", "lora", "sd35_gc")
-# Seconds per stage on one H200 (prepare runs first, whatever --stages says). They add up to GPU_DEADLINE; a stage
+# Seconds per stage on one H200 (prepare runs first for every stage but families). They add up to GPU_DEADLINE; a stage
 # that ends early leaves its rest to the deadline, not to the next stage's budget.
 GPU_BUDGETS = {"prepare": 40, "sd35": 140, "families": 100, "sleep": 60, "lora": 70, "sd35_gc": 100}
 GPU_DEADLINE = 510.0
@@ -887,8 +887,9 @@ def family_figures(records: list[dict]) -> dict:
     """A family run's rollouts, last student and critic losses, largest x0 recompute gap and non-finite figures."""
     actor = [r for r in records if "train/loss" in r]
     critic = [r for r in records if "train/critic-loss" in r]
-    nonfinite = sorted({key for r in records for key, value in r.items()
-                        if key.startswith("train/") and isinstance(value, float) and not math.isfinite(value)})  # fmt: skip
+    nonfinite = sorted(
+        {key for r in records for key, value in r.items() if key.startswith("train/") and not _finite(value)}
+    )
     return {
         "rollouts": sorted({r["rollout_id"] for r in records if "perf/step_time" in r}),
         "student_loss": actor[-1]["train/loss"] if actor else None,
@@ -897,6 +898,10 @@ def family_figures(records: list[dict]) -> dict:
         "gan_disc_loss": critic[-1].get("train/critic-gan_disc_loss") if critic else None,
         "nonfinite": nonfinite,
     }
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def family_problems(result: dict, out: Path) -> list[str]:
@@ -1043,11 +1048,11 @@ def report(check: Check, results: list[StageResult], total: float) -> list[str]:
     by_name = {result.name: result for result in results}
     mode = "plan only (nothing trained)" if opts.plan_only else ("tiny, CPU" if opts.tiny else "full size")
     lines = [
-        f"GPU check ({mode}, commit {_commit()}): device {check.device}, bf16 peak {check.peak or '–'} TFLOP/s; transformer "
-        f"{check.params / 1e6:.4g}M parameters, {check.fwd / 1e9:.4g} GFLOP per sample forward at "
-        f"{check.config['sample_size']}×{check.config['sample_size']} latents + {TEXT_TOKENS} text tokens; batch "
-        f"{opts.micro_batch_size} per forward, {opts.rollout_batch_size} samples per rollout, {opts.rollouts} rollouts "
-        f"(medians over rollouts ≥ 1); total {total:.0f} s",
+        f"GPU check ({mode}, commit {_commit()}): device {check.device}, bf16 peak {check.peak or '–'} TFLOP/s; "
+        f"transformer {check.params / 1e6:.4g}M parameters, {check.fwd / 1e9:.4g} GFLOP per sample forward at "
+        f"{check.config['sample_size']}×{check.config['sample_size']} latents + {TEXT_TOKENS} text tokens; "
+        f"batch {opts.micro_batch_size} per forward, {opts.rollout_batch_size} samples per rollout, "
+        f"{opts.rollouts} rollouts (medians over rollouts ≥ 1); total {total:.0f} s",
         "",
     ]
     rows = [[r.name, r.status, f"{r.seconds:.0f}", f"{r.budget:.0f}", r.reason.replace("|", "/")] for r in results]
@@ -1065,8 +1070,8 @@ def report(check: Check, results: list[StageResult], total: float) -> list[str]:
         for row in by_name[name].data["memory_rows"]
     ]
     if memory:
-        lines += ["", "memory plan (miles/driver/memory_plan.py) beside the measured peak per GPU (max_memory_allocated)",
-                  ""]  # fmt: skip
+        title = "memory plan (miles/driver/memory_plan.py) beside the measured peak per GPU (max_memory_allocated)"
+        lines += ["", title, ""]
         lines += markdown(["run", "group", "phase", "planned", "measured", "measured / planned"], memory)
         for name in SD35_RUNS:
             if name in by_name and "memory" in by_name[name].data and not opts.plan_only:
@@ -1234,7 +1239,8 @@ def _check(opts: argparse.Namespace, work: Path) -> int:
         "lora": lambda d: check.training("lora", d),
         "sd35_gc": lambda d: check.training("sd35_gc", d),
     }
-    plan = [("prepare", budget("prepare"), check.prepare)]
+    # The families bring their own pipelines: a rerun of them alone does not write the SD3.5 one.
+    plan = [("prepare", budget("prepare"), check.prepare)] if set(opts.stages) - {"families"} else []
     plan += [(name, budget(name), stages[name]) for name in STAGES if name in opts.stages]
 
     def write(done: list[StageResult]) -> list[str]:
