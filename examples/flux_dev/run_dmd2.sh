@@ -13,7 +13,8 @@
 #
 # Choices and where they come from (docs/families.md):
 # - FLUX.1-dev is guidance-distilled: --dmd2-teacher-guidance-scale 3.5 is the teacher's `guidance` input (one
-#   forward, no negative branch; the family declares embedded guidance); the student and critic run at guidance 1.
+#   forward, no negative branch, so no sample carries a negative cond; the family declares embedded guidance; 3.5 is
+#   also its default, FluxPipeline's guidance_scale); the student and critic run at guidance 1.
 # - 4 steps at 512 px, learning rates 1e-5, student GAN weight 0.03: NVlabs/FastGen's FLUX.1-dev DMD2 recipe.
 # - The flow shift is the family's: e^mu of the stock dynamic shift at the sample size (1.88 at 512 px).
 # - Student LoRA rank 64, critic rank 32: the public dmdr ranks, untuned for FLUX.

@@ -15,6 +15,9 @@
 # Choices and where they come from (docs/families.md, "Public DMD2-style distillation settings"):
 # - 4 student steps at 512 px, teacher true CFG 4.0 against the negative prompt " ", learning rates 1e-5, GAN
 #   weight 0.03 for the student: NVlabs/FastGen's Qwen-Image DMD2 recipe; disc weight 1e-2 as tianweiy/DMD2.
+#   The teacher's CFG carries the stock sampler's per-token norm rescale (the qwen_image default), so 4.0 is what
+#   the model card's true_cfg_scale 4.0 samples; FastGen's teacher guides plainly: add
+#   --no-dmd2-teacher-cfg-norm-rescale for exactly its teacher. 4.0 and " " are also the family's defaults.
 # - The flow shift is left to the family: e^mu of the stock pipeline's dynamic shift at the sample size (the dry run
 #   says the value it took).
 # - Student LoRA rank 64, critic rank 32: the public dmdr ranks (SD3.5-Large), untuned for Qwen-Image.

@@ -9,7 +9,7 @@ generated from ``build_parser()`` (``python -m miles.driver.cli_reference``).
 
 import argparse
 
-from miles.driver.family_defaults import fill_flow_shifts
+from miles.driver.family_defaults import fill_flow_shifts, fill_negative_prompt
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
 from miles.models.lora import parse_target_modules
@@ -68,6 +68,13 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPUs (and torch threads) of each rank's bundle; default: a node's CPUs / its ranks.",
+    )
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=60.0,
+        help="How long a rank waits for the others in a collective before giving up (the process groups' timeout; "
+        "NCCL's own default is 10). Rank 0 alone exports pipelines and pushes weights to engine replicas meanwhile.",
     )
     group.add_argument(
         "--ray-address",
@@ -274,7 +281,12 @@ def _add_rollout_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fn(args, rollout_id, sample_indices, num_steps) -> stop step per sample (None = full trajectory).",
     )
-    group.add_argument("--negative-prompt", type=str, default="", help="Negative prompt for CFG.")
+    group.add_argument(
+        "--negative-prompt",
+        type=str,
+        default=None,
+        help='Negative prompt for CFG; default: the model family\'s stock one (""; Qwen-Image " ").',
+    )
     group.add_argument(
         "--negative-cond",
         type=str,
@@ -468,12 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
 def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on other flags, in place; never overwrites a value the user set.
 
-    The flow shifts ← the model family's (:func:`miles.driver.family_defaults.fill_flow_shifts`), then
+    The flow shifts and the negative prompt ← the model family's (:mod:`miles.driver.family_defaults`), then
     ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``, then the method's ``set_defaults`` (its
     hook paths, the step strategy, what the engine must encode; see ``miles.methods``), then
     ``args.method_settings``, the method's typed settings (``Method.settings``).
     """
     fill_flow_shifts(args)
+    fill_negative_prompt(args)
     if args.global_batch_size is None and args.rollout_batch_size and args.num_steps_per_rollout:
         if rollout_pairs(args) % args.num_steps_per_rollout == 0:
             args.global_batch_size = rollout_pairs(args) // args.num_steps_per_rollout

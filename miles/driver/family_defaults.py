@@ -1,16 +1,20 @@
-"""Defaults a model family gives flags the user left unset: the flow shifts.
+"""Defaults a model family gives flags the user left unset: the flow shifts and the negative prompt.
 
 ``--diffusion-flow-shift`` (the student's sampling grid) and ``--fsdp-flow-shift`` (the trainer's 1000-point grid:
 SFT noise levels, DMD2 scoring) default to the student pipeline's ``ModelFamily.flow_shift`` (the shift its stock
-pipeline samples with at its resolution: ``e^mu`` for Qwen-Image and FLUX.1-dev at their token count), and to
-:data:`DEFAULT_FLOW_SHIFT` where the family has none (``sd3``, ``digits``) or the pipeline cannot be read here (a
-``--dry-run`` for a cluster's paths; preflight names an unreadable pipeline of a real run). Where each value came
-from is kept in ``args.flow_shift_origin`` for the dry run's plan.
+pipeline samples with at its resolution: ``e^mu`` for Qwen-Image and FLUX.1-dev at their token count, the
+scheduler config's ``shift`` for SD3), and to :data:`DEFAULT_FLOW_SHIFT` where the family has none (``digits``) or
+the pipeline cannot be read here (a ``--dry-run`` for a cluster's paths; preflight names an unreadable pipeline of a
+real run). Where each value came from is kept in ``args.flow_shift_origin`` for the dry run's plan.
+
+``--negative-prompt`` defaults to the student pipeline's ``ModelFamily.stock_negative_prompt``, the one its stock
+pipeline runs CFG against when the caller gives none (``""``; Qwen-Image's model card ``" "``); where it came from is
+kept in ``args.negative_prompt_origin`` (the dry run's plan, the log line of the rank that encodes it).
 """
 
 import argparse
 
-__all__ = ["DEFAULT_FLOW_SHIFT", "FLOW_SHIFT_FLAGS", "fill_flow_shifts"]
+__all__ = ["DEFAULT_FLOW_SHIFT", "FLOW_SHIFT_FLAGS", "fill_flow_shifts", "fill_negative_prompt"]
 
 DEFAULT_FLOW_SHIFT = 3.0
 FLOW_SHIFT_FLAGS = ("diffusion_flow_shift", "fsdp_flow_shift")
@@ -45,3 +49,22 @@ def fill_flow_shifts(args: argparse.Namespace) -> None:
         else:
             origin[flag] = f"{getattr(args, dest):g}: set on the command line"
     args.flow_shift_origin = origin
+
+
+def fill_negative_prompt(args: argparse.Namespace) -> None:
+    """Set an unset ``--negative-prompt`` to the student pipeline's family's stock negative prompt (``""`` where the
+    pipeline cannot be read here), in place, and record ``args.negative_prompt_origin``."""
+    if getattr(args, "negative_prompt", None) is not None:
+        args.negative_prompt_origin = "set on the command line"
+        return
+    from miles.models import get_model_family
+
+    path = getattr(args, "hf_checkpoint", None)
+    try:
+        family = get_model_family(path, getattr(args, "diffusion_model_family", None))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        args.negative_prompt = ""
+        args.negative_prompt_origin = f"the default (the pipeline {path} could not be read here: {exc})"
+        return
+    args.negative_prompt = family.stock_negative_prompt
+    args.negative_prompt_origin = f"the {family.name} family's (its stock pipeline's default)"

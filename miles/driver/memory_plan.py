@@ -46,6 +46,10 @@ meta device, sharded, then read from its files one tensor at a time, each rank i
 * **host per process**: the tensors built real on the host (buffers, LoRA adapters, built modules, all whole), the
   largest tensor's rows in flight (read in at most 4 bytes per element and cast), and the resting state of the
   groups initialised before it, asleep in host memory; **per node**: that times the trainer ranks of a node.
+
+Host memory per node (:func:`host_memory_per_node`): while groups take turns on the GPUs, every group's optimizer
+state and EMA sit in pinned buffers for the whole run, and a sleeping group's parameters, frozen models and buffers
+in pageable memory.
 """
 
 import logging
@@ -76,6 +80,8 @@ __all__ = [
     "fit_line",
     "format_bytes",
     "gpu_memory_bytes",
+    "host_memory_line",
+    "host_memory_per_node",
     "log_memory_plan",
     "memory_table",
     "plan_group",
@@ -452,6 +458,36 @@ def fit_line(plans: list[GroupMemory], gpu_bytes: float) -> str:
     )
 
 
+def host_memory_per_node(plans: list[GroupMemory], ranks_per_node: int) -> tuple[int, int]:
+    """``(pinned, pageable)`` host bytes a node holds for sleeping groups: ``ranks_per_node`` times DP rank 0's.
+
+    Groups sleep only when several share the GPUs (on CUDA; ``miles.driver.schedule.needs_sleep``), so a group alone
+    holds nothing here: ``(0, 0)``. Otherwise, from ``miles.backends.fsdp_utils.sleep``:
+
+    * **pinned**: every group's optimizer state and EMA shadows, in a buffer pinned at its first sleep and kept for
+      the whole run, awake or not;
+    * **pageable**: the parameters, frozen models and buffers of the groups asleep, freed when they wake. At most all
+      groups but the one awake sleep; the figure is that of the smallest group awake (the largest total).
+    """
+    if len(plans) < 2:
+        return 0, 0
+    pinned = sum(plan.optimizer + plan.ema for plan in plans)
+    pageable = [plan.parameters + plan.frozen + plan.buffers for plan in plans]
+    return ranks_per_node * pinned, ranks_per_node * (sum(pageable) - min(pageable))
+
+
+def host_memory_line(plans: list[GroupMemory], ranks_per_node: int) -> str | None:
+    """:func:`host_memory_per_node` as one line of the plan, or None when no group sleeps."""
+    pinned, pageable = host_memory_per_node(plans, ranks_per_node)
+    if not pinned + pageable:
+        return None
+    return (
+        f"host memory per node of {ranks_per_node} ranks while groups sleep (on CUDA): {format_bytes(pinned)} pinned "
+        f"for the run (every group's optimizer state and EMA) + up to {format_bytes(pageable)} pageable (the sleeping "
+        f"groups' parameters, frozen models, buffers) = {format_bytes(pinned + pageable)}"
+    )
+
+
 def log_memory_plan(args) -> None:
     """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
     try:
@@ -462,3 +498,6 @@ def log_memory_plan(args) -> None:
         return
     for line in memory_table(setting, plans, gpu_memory_bytes(args)):
         logger.info("%s", line)
+    host = host_memory_line(plans, args.actor_num_gpus_per_node)
+    if host is not None:
+        logger.info("%s", host)

@@ -94,6 +94,8 @@ def log_plan(args) -> None:
         logger.info("%s", line)
     for name, source in getattr(args, "flow_shift_origin", {}).items():
         logger.info("flow shift: %s %s", name, source)
+    for line in get_method(args).plan_lines(args):
+        logger.info("%s", line)
     logger.info("work per DP rank per rollout (DP size %d, %d pairs per rank):", ranks, rollout_pairs(args) // ranks)
     for who, phase in work_per_rank(args):
         logger.info(

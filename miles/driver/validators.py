@@ -103,6 +103,8 @@ def validate_args(args: argparse.Namespace) -> None:
         reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
     validate_method_flags(args)
     validate_batch_args(args)
+    if not args.distributed_timeout_minutes > 0:
+        reject(f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     check_ray_address(args.ray_address, connect=False)
     if args.profile_rollouts is not None and args.profile_rollouts[0] >= args.num_rollout:
         start, end = args.profile_rollouts

@@ -118,6 +118,11 @@ class Method:
         keeps the source pipeline's scheduler as it is."""
         return engine
 
+    def plan_lines(self, args: argparse.Namespace) -> list[str]:
+        """Lines the dry run prints about this method's settings that defaults filled (DMD2: the teacher's
+        guidance); ``[]`` for none."""
+        return []
+
     def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
         """The forwards a group's train-output hook runs per rollout on one rank (``--dry-run``)."""
         return []

@@ -6,11 +6,18 @@ then scores the samples with the frozen teacher (CFG ``--dmd2-teacher-guidance-s
 (student) takes one step along the distribution-matching gradient of those scores ([DMD2 5/7]). Only the critic
 group holds the teacher.
 
+The teacher at its stock settings (:func:`fill_teacher_guidance`): ``--dmd2-teacher-guidance-scale`` defaults to the
+scale the teacher's stock pipeline samples with (``ModelFamily.stock_guidance_scale``: SD3 7.0, Qwen-Image 4.0,
+FLUX.1-dev 3.5, FLUX.2-klein base 4.0, Wan 5.0; 1 for digits, a step- or guidance-distilled checkpoint, or a family
+that names none), in the family's guidance form (true CFG against the negative prompt, or FLUX.1-dev's embedded
+guidance input, for which no negative prompt is encoded); ``--dmd2-teacher-cfg-norm-rescale`` defaults to the
+stock sampler's per-token norm rescale where it has one (Qwen-Image). The dry run prints both.
+
 Hooks (by import): the converter ``data_conversion_hub.dmd2``, the step strategy ``stop_at_random_step`` (DMD2's
 backward simulation), the actor's ``prepare_generator_batch`` / ``dmd2_loss_formula``, the critic's
 ``prepare_critic_batch`` / ``sft_loss_formula`` / ``predict_teacher_and_critic_x0`` (``loss_hub.dmd2``). The engine
-encodes the negative prompt whenever the teacher runs CFG; an export records the teacher's scale it was distilled
-from.
+encodes the negative prompt whenever the teacher runs true CFG; an export records the teacher's scale it was
+distilled from.
 
 Phase 2 (``--dmd2-gan-disc-weight > 0``, ``loss_hub.gan``): the critic group also holds a discriminator head on
 its own features and trains it, and its backbone, on the student's samples against real ones
@@ -45,6 +52,7 @@ from miles.methods.dmd2_reward import (
     reward_work,
     validate_reward_args,
 )
+from miles.models.capabilities import EmbeddedGuidance, TrueCFG, supports
 from miles.models.lora import check_lora_flags, parse_target_modules
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
@@ -57,6 +65,7 @@ __all__ = [
     "DMD2_ACTOR_HOOKS",
     "DMD2_CRITIC_HOOKS",
     "DMD2_GAN_CRITIC_HOOKS",
+    "fill_teacher_guidance",
     "gan_enabled",
     "validate_dmd2_args",
 ]
@@ -84,6 +93,75 @@ DMD2_GAN_CRITIC_HOOKS = {
 GAN_MAX_TIMESTEP_RATIO = DMD2Settings.gan_max_timestep_ratio
 # The student's LoRA flags (dests) the critic's --critic-* copies default to and map onto in the critic's args.
 CRITIC_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")
+
+
+# The guidance forms a teacher's family declares (args.dmd2_teacher_guidance_form); true CFG when it cannot be read
+# here (a dry run for a cluster's paths): the conservative choice, which encodes the negative prompt.
+TRUE_CFG, EMBEDDED = "true CFG", "embedded"
+
+
+def fill_teacher_guidance(args: argparse.Namespace) -> None:
+    """The teacher's stock guidance settings where the flags left them unset, in place; never over a set value.
+
+    - ``--dmd2-teacher-guidance-scale`` ← the teacher family's ``stock_guidance_scale(--teacher-load)`` (the default
+      of its stock pipeline's call), 1 where it names none or the pipeline cannot be read here;
+    - ``--dmd2-teacher-cfg-norm-rescale`` ← the family's ``stock_cfg_norm_rescale`` (Qwen-Image: on), else off;
+    - ``args.dmd2_teacher_guidance_form``: ``"true CFG"`` or ``"embedded"`` (the family's guidance form);
+    - ``args.encode_negative_prompt`` ← True when the teacher runs true CFG (scale > 1): every sample then carries
+      the negative cond, though the student samples unguided. An embedded-guidance teacher (FLUX.1-dev) reads none;
+    - ``args.dmd2_teacher_guidance_origin``: one line for the dry run on where the scale and the form came from.
+    """
+    from miles.models import get_model_family
+
+    family, unread = None, None
+    try:
+        family = get_model_family(args.teacher_load, getattr(args, "diffusion_model_family", None))
+        stock_scale = family.stock_guidance_scale(args.teacher_load)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        family, unread, stock_scale = None, exc, None
+    if args.dmd2_teacher_guidance_scale is not None:
+        scale_origin = "set on the command line"
+    elif family is None:
+        args.dmd2_teacher_guidance_scale = 1.0
+        scale_origin = f"the default 1 (the teacher {args.teacher_load} could not be read here: {unread})"
+    elif stock_scale is None:
+        args.dmd2_teacher_guidance_scale = 1.0
+        scale_origin = f"the default 1 (the {family.name} family names no stock guidance scale)"
+    else:
+        args.dmd2_teacher_guidance_scale = float(stock_scale)
+        scale_origin = f"the {family.name} family's stock scale (its pipeline's default)"
+    embedded = family is not None and supports(family, EmbeddedGuidance)
+    args.dmd2_teacher_guidance_form = EMBEDDED if embedded else TRUE_CFG
+    stock_rescale = family is not None and supports(family, TrueCFG) and bool(family.stock_cfg_norm_rescale)
+    if args.dmd2_teacher_cfg_norm_rescale is None:
+        args.dmd2_teacher_cfg_norm_rescale = stock_rescale
+        rescale_origin = f"the {family.name} family's" if family is not None else "the default"
+    else:
+        rescale_origin = "set on the command line"
+    scale = args.dmd2_teacher_guidance_scale
+    if scale > 1 and not embedded:
+        # The teacher's CFG in scoring needs every sample's negative cond, though the student samples unguided.
+        args.encode_negative_prompt = True
+    if scale == 1:
+        form = "none (scale 1)"
+    elif embedded:
+        form = "embedded: the scale is the teacher's guidance input, one forward, no negative prompt"
+    else:
+        rescale = args.dmd2_teacher_cfg_norm_rescale
+        form = (
+            "true CFG u + w·(c − u) over two branches, "
+            + ("with" if rescale else "without")
+            + f" the stock per-token norm rescale (--dmd2-teacher-cfg-norm-rescale: {rescale_origin}), against "
+            + _negative_source(args)
+        )
+    args.dmd2_teacher_guidance_origin = f"--dmd2-teacher-guidance-scale {scale:g}: {scale_origin}; {form}"
+
+
+def _negative_source(args: argparse.Namespace) -> str:
+    if getattr(args, "negative_cond", None):
+        return f"--negative-cond {args.negative_cond}"
+    origin = getattr(args, "negative_prompt_origin", None)
+    return f"the negative prompt {args.negative_prompt!r}" + (f" ({origin})" if origin else "")
 
 
 def gan_enabled(args: argparse.Namespace) -> bool:
@@ -205,6 +283,20 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
     validate_reward_args(args)
 
 
+def _check_norm_rescale(args: argparse.Namespace) -> None:
+    """``--dmd2-teacher-cfg-norm-rescale`` only for a true-CFG teacher whose stock sampler has the rescale."""
+    if not args.dmd2_teacher_cfg_norm_rescale:
+        return
+    from miles.models import get_model_family
+
+    family = get_model_family(args.teacher_load, getattr(args, "diffusion_model_family", None))
+    if not (supports(family, TrueCFG) and family.stock_cfg_norm_rescale):
+        reject(
+            f"--dmd2-teacher-cfg-norm-rescale is the Qwen-Image sampler's per-token norm rescale; the {family.name} "
+            f"teacher {args.teacher_load} has none: remove it"
+        )
+
+
 def _validate_scoring_sigma(args: argparse.Namespace) -> None:
     rule = args.dmd2_scoring_sigma
     check_number("--dmd2-scoring-shift", args.dmd2_scoring_shift, low=0, low_open=True)
@@ -267,8 +359,17 @@ class DMD2Method(Method):
         group.add_argument(
             "--dmd2-teacher-guidance-scale",
             type=float,
-            default=1.0,
-            help="CFG scale of the teacher's score; the critic scores unguided.",
+            default=None,
+            help="Guidance scale of the teacher's score (1 = none; true CFG, or FLUX.1-dev's guidance input); the "
+            "critic scores unguided. Default: the teacher's stock pipeline's (SD3 7, Qwen-Image 4, FLUX.1-dev 3.5, "
+            "FLUX.2-klein base 4, Wan 5; else 1).",
+        )
+        group.add_argument(
+            "--dmd2-teacher-cfg-norm-rescale",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Rescale the teacher's true-CFG velocity to the conditional one's norm per token, as the stock "
+            "Qwen-Image sampler does, so the scale means its true_cfg_scale. Default: on for qwen_image.",
         )
         group.add_argument(
             "--dmd2-critic-scoring",
@@ -394,9 +495,7 @@ class DMD2Method(Method):
                 **{f"critic_{name}": getattr(args, name) for name in CRITIC_LORA_FLAGS},
             },
         )
-        if args.dmd2_teacher_guidance_scale > 1:
-            # The teacher's CFG in scoring needs every sample's negative cond, though the student samples unguided.
-            args.encode_negative_prompt = True
+        fill_teacher_guidance(args)
 
     def validate(self, args: argparse.Namespace) -> None:
         validate_dmd2_args(args)
@@ -405,6 +504,7 @@ class DMD2Method(Method):
         """``--dmd2-gan-feature-blocks`` name blocks the critic's transformer has (its config's ``num_layers``); the
         reward group's family decodes with autograd."""
         check_reward_family(args)
+        _check_norm_rescale(args)
         if not gan_enabled(args) or not args.dmd2_gan_feature_blocks:
             return
         from miles.models.base import DENOISER, read_json
@@ -420,6 +520,10 @@ class DMD2Method(Method):
                     f"--dmd2-gan-feature-blocks holds block {block}, but {where} {args.critic_load} has {layers} "
                     f"transformer blocks (0..{layers - 1})"
                 )
+
+    def plan_lines(self, args: argparse.Namespace) -> list[str]:
+        """The teacher's guidance: its scale, where it came from, its form and its negative prompt."""
+        return [f"teacher guidance: {getattr(args, 'dmd2_teacher_guidance_origin', '')}"]
 
     def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
         """The critic first, so it catches up with the student that produced the rollout and then scores it for the
@@ -499,7 +603,9 @@ class DMD2Method(Method):
         if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:
             return []
         micro_batches = -(-pairs_per_rank // group_args.micro_batch_size)
-        cfg = 2 if group_args.dmd2_teacher_guidance_scale > 1 else 1
+        # true CFG runs [uncond; cond] in one forward; an embedded-guidance teacher runs once
+        true_cfg = getattr(group_args, "dmd2_teacher_guidance_form", TRUE_CFG) == TRUE_CFG
+        cfg = 2 if group_args.dmd2_teacher_guidance_scale > 1 and true_cfg else 1
         return [
             PhaseWork("scoring: teacher", micro_batches, 0, cfg * group_args.micro_batch_size),
             PhaseWork("scoring: critic", micro_batches, 0, group_args.micro_batch_size),

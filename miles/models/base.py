@@ -65,11 +65,15 @@ class ModelFamily(Protocol):
             of the student's step rule and grid (:func:`miles.models.sampling_schedule.write_sampling_schedule`),
             so that the family's stock diffusers pipeline samples the student as miles does. False where the
             export keeps its scheduler and records the student's schedule in ``_miles_*`` keys only.
+        stock_negative_prompt: the negative prompt the family's stock pipeline runs CFG against when the caller
+            gives none, ``--negative-prompt``'s default: ``""`` (``StableDiffusion3Pipeline``, ``WanPipeline``:
+            ``negative_prompt or ""``; ``Flux2KleinPipeline``'s hard-coded ``""``); Qwen-Image's model card ``" "``.
     """
 
     name: ClassVar[str]
     pipeline_classes: ClassVar[tuple[str, ...]]
     stock_scheduler: ClassVar[bool] = False
+    stock_negative_prompt: ClassVar[str] = ""
     pipeline_path: Path
 
     def __init__(self, pipeline_path: str | Path) -> None:
@@ -234,6 +238,17 @@ class ModelFamily(Protocol):
         with exit 2. Default None: no limit."""
         return None
 
+    def stock_guidance_scale(self, path: str | Path) -> float | None:
+        """The guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it) the family's stock pipeline samples
+        pipeline ``path`` with when the call gives none: the default of ``--dmd2-teacher-guidance-scale`` for a
+        teacher at ``path``; 1 for a checkpoint that runs no guidance. Default None: no stock scale (the flag then
+        defaults to 1, no guidance).
+
+        Raises:
+            OSError / ValueError: when a config file the answer depends on is missing or unreadable.
+        """
+        return None
+
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
         """The scheduler config a ``--save-hf`` export writes (families with ``stock_scheduler``) so that the
         family's stock diffusers pipeline samples the student's schedule; None where no stock config can (the
@@ -256,8 +271,22 @@ class ModelFamily(Protocol):
     def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call keywords of the family's stock pipeline that sample the exported student at ``path``, from miles'
         generic ones: ``{"num_inference_steps": S}`` or ``{"sigmas": [σ, ...]}``, and ``"guidance_scale": w`` (the
-        student's own guidance, 1 for DMD2). Default: unchanged (``StableDiffusion3Pipeline`` takes these names)."""
-        return dict(kwargs)
+        student's own guidance, 1 for DMD2).
+
+        Default: these names (``StableDiffusion3Pipeline``'s) plus the size the student was trained at, from the
+        family's :meth:`~miles.models.capabilities.PixelCodec.image_shape` where it has one: ``height`` and
+        ``width`` in pixels, and ``num_frames`` for a video shape ``(F, H, W, C)``. A stock pipeline's own default
+        size (1024² for FLUX.2-klein, 81 × 480 × 832 for Wan) is not the size an export was trained at.
+        """
+        from miles.models.capabilities import PixelCodec, supports
+
+        if not supports(self, PixelCodec):
+            return dict(kwargs)
+        shape = tuple(self.image_shape(path))
+        size = {"height": int(shape[-3]), "width": int(shape[-2])}
+        if len(shape) == 4:
+            size = {"num_frames": int(shape[0]), **size}
+        return {**kwargs, **size}
 
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,

@@ -17,9 +17,10 @@ declaration). Each protocol's abstract methods must then be implemented.
   (``--dmd2-reward-weight``), whose reward gradient flows back through the decode.
 """
 
+import contextlib
 from abc import abstractmethod
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,7 @@ __all__ = [
     "TokenFeatures",
     "TrueCFG",
     "decode_latents",
+    "module_on",
     "require",
     "supports",
 ]
@@ -45,7 +47,15 @@ Predict = Callable[[Tensor, Tensor, Cond], Tensor]
 
 class TrueCFG(Protocol):
     """Guidance form: classifier-free guidance with two branches, ``v = v_u + w·(v_c − v_u)`` (Ho & Salimans 2022),
-    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward."""
+    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward.
+
+    Class attributes:
+        stock_cfg_norm_rescale: whether the family's stock sampler rescales the guided prediction to the conditional
+            one's norm (``QwenImagePipeline``); such a family implements :meth:`norm_rescaled_cfg`, and
+            ``--dmd2-teacher-cfg-norm-rescale`` defaults to it. False: plain CFG only.
+    """
+
+    stock_cfg_norm_rescale: ClassVar[bool] = False
 
     def guided_velocity(
         self,
@@ -55,13 +65,27 @@ class TrueCFG(Protocol):
         cond: Cond,
         neg_cond: Cond | None,
         guidance_scale: float,
+        *,
+        norm_rescale: bool = False,
     ) -> Tensor:
-        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`.
+        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`, the two
+        branches combined by :meth:`norm_rescaled_cfg` with ``norm_rescale`` (the stock sampler's rescale).
 
         Raises:
-            ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``.
+            ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``; with
+                ``norm_rescale`` for a family without :attr:`stock_cfg_norm_rescale`.
         """
-        return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)
+        if not norm_rescale:
+            return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale)
+        if not self.stock_cfg_norm_rescale:
+            name = getattr(self, "name", type(self).__name__)
+            raise ValueError(f"the {name} family's stock sampler has no CFG norm rescale; guide it plainly")
+        return true_cfg_velocity(predict, latents, timestep, cond, neg_cond, guidance_scale, self.norm_rescaled_cfg)
+
+    def norm_rescaled_cfg(self, v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
+        """CFG as the family's stock sampler rescales it, float32 ``(B, *latent_shape)`` (only where
+        :attr:`stock_cfg_norm_rescale`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no CFG norm rescale")
 
 
 class EmbeddedGuidance(Protocol):
@@ -81,8 +105,16 @@ class EmbeddedGuidance(Protocol):
         cond: Cond,
         neg_cond: Cond | None,
         guidance_scale: float,
+        *,
+        norm_rescale: bool = False,
     ) -> Tensor:
-        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``."""
+        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``.
+
+        Raises:
+            ValueError: with ``norm_rescale``: one guided forward has no conditional branch to rescale to.
+        """
+        if norm_rescale:
+            raise ValueError("embedded guidance runs one forward: there is no conditional branch to rescale to")
         extra = self.guidance_cond(guidance_scale, len(latents))
         extra = {key: value.to(latents.device) for key, value in extra.items()}
         return predict(latents, timestep, {**cond, **extra}).float()
@@ -104,7 +136,8 @@ class PixelCodec(Protocol):
 
     @abstractmethod
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``)."""
+        """float latents ``(B, *latent_shape)`` → uint8 pixels ``(B, H, W, C)`` (video: ``(B, F, H, W, C)``) on the
+        CPU, decoded on the latents' device (a VAE moves there for the call, :func:`module_on`)."""
 
 
 class DifferentiablePixels(Protocol):
@@ -155,13 +188,28 @@ def require(family: Any, capability: type, needed_by: str) -> None:
         )
 
 
-def decode_latents(family: Any, latents: torch.Tensor) -> torch.Tensor:
-    """Latents ``(B, *latent_shape)`` as uint8 pixels for eval grids and hooks: the family's
-    :meth:`PixelCodec.latents_to_images` when it has one, else the raw latent read as pixels in [-1, 1]
+@contextlib.contextmanager
+def module_on(module: nn.Module, device: torch.device | str) -> Iterator[nn.Module]:
+    """``module`` moved to ``device`` for a block, and back to where it was after it: a frozen VAE decodes eval
+    images on the worker's GPU, then leaves it, so that it holds no GPU memory the memory plan does not count. A
+    module already on ``device`` (a reward group's VAE, kept there by ``latents_to_pixels``) stays there."""
+    param = next(module.parameters(), None)
+    home = param.device if param is not None else torch.device(device)
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
+
+
+def decode_latents(family: Any, latents: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Latents ``(B, *latent_shape)`` as uint8 pixels on the CPU for eval grids and hooks: the family's
+    :meth:`PixelCodec.latents_to_images` when it has one, run on ``device`` (the worker's GPU; default the latents'
+    own device: a VAE decode on a CPU core is minutes at 1024 px), else the raw latent read as pixels in [-1, 1]
     (``round((x + 1) · 127.5)`` after clipping) with its first 3 channels (or its one) as colours, so that a family
     without a codec still shows something. Returns ``(B, H, W, C)`` or, for video, ``(B, F, H, W, C)``."""
     if supports(family, PixelCodec):
-        return family.latents_to_images(latents)
+        return family.latents_to_images(latents if device is None else latents.to(device))
     x = latents.detach().float().cpu()
     x = x[:, :3] if x.shape[1] >= 3 else x[:, :1]
     pixels = torch.floor((x.clamp(-1.0, 1.0) + 1.0) * 127.5 + 0.5).to(torch.uint8)

@@ -122,6 +122,16 @@ class DigitsFamily(SD3Family):
     # DigitsPipeline samples through miles and reads the _miles_* keys; the scheduler stays the Euler one
     stock_scheduler = False
 
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> None:
+        """None: the flow-shift flags keep their default 3.0 (the digits recipe's figures were measured at it),
+        whatever an exported student's scheduler says; not the SD3 family's scheduler shift."""
+        return None
+
+    def stock_guidance_scale(self, path: str | Path) -> None:
+        """None: ``DigitsPipeline`` is miles' own and has no stock scale; ``--dmd2-teacher-guidance-scale`` keeps its
+        default 1 (the digits recipe passes its scale), not SD3's 7."""
+        return None
+
     def text_config(self, path: str | Path) -> dict:
         """The ``digits.json`` settings of a digits pipeline directory."""
         return read_json(Path(path) / "digits.json", "digits text-encoder settings (digits.json)")

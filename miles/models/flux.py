@@ -18,7 +18,9 @@ docs/families.md):
   ``guidance`` = 1 (``--diffusion-guidance-scale``, which DMD2 keeps at 1: the student is unguided and learns the
   teacher's guided distribution, as in tianweiy/DMD2). NVlabs/FastGen's FLUX recipe instead feeds 3.5 to teacher and
   student alike (``fastgen/networks/Flux/network.py``). A schnell transformer has no guidance input: it is never
-  given one, and preflight refuses a teacher guidance scale other than 1 for it.
+  given one, and preflight refuses a teacher guidance scale other than 1 for it. The teacher's scale defaults to the
+  call's: 3.5 for dev, 1 for schnell (:meth:`FluxFamily.stock_guidance_scale`). A negative prompt is never encoded
+  for a dev teacher: its guidance has no unconditional branch.
 - **Export**: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself, so the export writes a static stock
   scheduler with ``shift`` = k (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`); the call's
   ``guidance_scale`` is the student's guidance input (1).
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures
+from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
 
@@ -44,6 +46,8 @@ TEXT_TOKENS = 512
 # scale 1 (--diffusion-guidance-scale, DMD2's student) also passes, so that the student's rollout and its training
 # forward agree.
 STUDENT_GUIDANCE = 1.0
+# FluxPipeline.__call__'s guidance_scale default (diffusers 0.42.1): FLUX.1-dev's guidance input
+STOCK_GUIDANCE_SCALE = 3.5
 
 
 class FluxPromptEncoder:
@@ -167,6 +171,11 @@ class FluxFamily(PackedDiTFamily, EmbeddedGuidance, PixelCodec, TokenFeatures):
         """1 for a transformer without ``guidance_embeds`` (FLUX.1-schnell: no guidance input, no CFG), else None."""
         return None if self.transformer_config(path).get("guidance_embeds", False) else 1.0
 
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """3.5 (``FluxPipeline.__call__``'s ``guidance_scale``, the dev model card's) for a transformer with
+        ``guidance_embeds``; 1 for one without (schnell: the pipeline passes no guidance whatever the call says)."""
+        return STOCK_GUIDANCE_SCALE if self.max_guidance_scale(path) is None else 1.0
+
     def text_tokens(self, path: str | Path) -> int:
         """512 T5 tokens (the pooled CLIP vector is no token)."""
         return TEXT_TOKENS
@@ -214,6 +223,7 @@ class FluxFamily(PackedDiTFamily, EmbeddedGuidance, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float normalised latents ``(B, C, h, w)`` → uint8 ``(B, 8h, 8w, 3)``."""
         scaling, shift = self._factors()
-        pixels = self.vae.decode(latents.detach().float().cpu() / scaling + shift, return_dict=False)[0]
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.detach().float() / scaling + shift, return_dict=False)[0]
         pixels = ((pixels.clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0).round()
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

@@ -13,8 +13,9 @@ reaches the transformer; the negative prompt of CFG is ``""`` (the pipeline's ow
 
 **Timestep.** The transformer takes σ ∈ [0, 1] (the pipeline passes ``timestep / 1000``).
 
-**Guidance.** True CFG with the empty prompt (klein-base). The step-distilled klein release (``is_distilled`` in
-``model_index.json``) runs no CFG: :meth:`Flux2Family.max_guidance_scale` is 1 and preflight rejects more.
+**Guidance.** True CFG with the empty prompt (klein-base), at ``guidance_scale`` 4.0 by default (the call's). The
+step-distilled klein release (``is_distilled`` in ``model_index.json``) runs no CFG:
+:meth:`Flux2Family.max_guidance_scale` and :meth:`Flux2Family.stock_guidance_scale` are 1 and preflight rejects more.
 
 **Flow shift.** The pipeline passes ``sigmas = linspace(1, 1/S, S)`` and ``mu = compute_empirical_mu(tokens, S)``
 to a dynamic exponential scheduler, the static shift ``e^mu`` (docs/families.md); :meth:`Flux2Family.flow_shift`
@@ -29,16 +30,18 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import sigmas_call_scheduler_config
 from miles.models.stock_defaults import read_sample_size
 
 __all__ = ["Flux2Family", "Flux2PromptEncoder", "patchify", "unpatchify"]
 
-# Flux2KleinPipeline's max_sequence_length (the prompt is padded to it) and default step count
+# Flux2KleinPipeline's max_sequence_length (the prompt is padded to it), default step count and default
+# guidance_scale (diffusers 0.42.1; the klein-base model card's 4.0)
 TEXT_TOKENS = 512
 STOCK_NUM_STEPS = 50
+STOCK_GUIDANCE_SCALE = 4.0
 # Flux2KleinPipeline.default_sample_size (latent pixels): 128 · vae_scale_factor 8 = 1024 pixels
 DEFAULT_SAMPLE_SIZE = 128
 # transformer config keys a teacher and a critic must share with the student
@@ -185,6 +188,11 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
         return 1.0 if index.get("is_distilled") else None
 
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """4.0 (``Flux2KleinPipeline.__call__``'s ``guidance_scale``) for klein-base; 1 for a step-distilled
+        checkpoint, on which the pipeline never runs CFG."""
+        return STOCK_GUIDANCE_SCALE if self.max_guidance_scale(path) is None else 1.0
+
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static scheduler at the student's shift: ``Flux2KleinPipeline`` passes ``linspace(1, 1/S, S)`` itself
         (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`)."""
@@ -250,8 +258,8 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """miles' latents ``(B, 4·C, h, w)`` → the VAE's ``(B, C, 2h, 2w)`` (what the stock call returns with
         ``output_type="latent"``)."""
-        mean, std = self._batch_norm()
-        return unpatchify(latents.detach().float().cpu() * std + mean)
+        mean, std = self._batch_norm()  # on the VAE's device
+        return unpatchify(latents.detach().float().to(mean.device) * std + mean)
 
     @torch.no_grad()
     def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
@@ -267,6 +275,7 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     @torch.no_grad()
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float ``(B, 4·C, h, w)`` → uint8 ``(B, 16h, 16w, 3)``."""
-        pixels = self.vae.decode(self.to_vae_latents(latents), return_dict=False)[0]
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(self.to_vae_latents(latents), return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

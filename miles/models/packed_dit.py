@@ -133,8 +133,3 @@ class PackedDiTFamily(ModelFamily):
         from miles.models.sampling_schedule import sigmas_call_scheduler_config
 
         return sigmas_call_scheduler_config(**schedule)
-
-    def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """miles' keywords plus the sample size as ``height`` / ``width`` (the pipeline's default is 1024²)."""
-        height, width = self.pixel_size(path)
-        return {**kwargs, "height": height, "width": width}

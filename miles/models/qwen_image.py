@@ -15,12 +15,16 @@ docs/families.md):
   (:mod:`miles.models.stock_defaults`). **Flow shift**: ``e^mu`` at that size's token count (0.5 → 0.9 over 256 →
   8192 tokens: k = 2.00 at 1024²), without the pipeline's ``shift_terminal`` stretch, which a static shift cannot
   express.
-- **Guidance**: true CFG ``u + w·(c − u)``, plain. The stock pipeline rescales the guided prediction to the
-  conditional one's norm per token (``comb · ‖cond‖ / ‖comb‖``), a sampling heuristic; the DMD2 references guide the
-  real score plainly: tianweiy/DMD2 ``guidance.py`` (``pred_real_image_uncond + guidance_scale · (cond − uncond)``)
-  and NVlabs/FastGen's Qwen-Image DMD2 teacher (``x0 + (w − 1)(x0 − x0_neg)`` in x0 space, the same thing, since x0
-  is affine in v). So ``--dmd2-teacher-guidance-scale`` means what it means for SD3. The model card's negative
-  prompt is ``" "`` (pass ``--negative-prompt " "``).
+- **Guidance**: true CFG ``comb = u + w·(c − u)``, which the stock pipeline then rescales to the conditional
+  prediction's norm per packed token, ``comb · ‖c‖ / ‖comb‖`` (``QwenImagePipeline.__call__``;
+  :func:`norm_rescaled_cfg`). The DMD2 teacher applies the rescale by default
+  (``--dmd2-teacher-cfg-norm-rescale``), so that ``--dmd2-teacher-guidance-scale w`` is the distribution the stock
+  pipeline samples at ``true_cfg_scale=w`` (default 4.0). ``--no-dmd2-teacher-cfg-norm-rescale`` guides plainly, as
+  the DMD2 references do: tianweiy/DMD2 ``guidance.py`` (``pred_real_image_uncond + guidance_scale · (cond −
+  uncond)``) and NVlabs/FastGen's Qwen-Image DMD2 teacher (``x0 + (w − 1)(x0 − x0_neg)`` in x0 space, the same
+  thing, since x0 is affine in v). The negative prompt defaults to the model card's ``" "``
+  (:attr:`QwenImageFamily.stock_negative_prompt`): the pipeline runs CFG only with a negative prompt, and the card
+  passes one space "if you do not have specific concept to remove".
 - **Export**: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself, so the export writes a static stock
   scheduler with ``shift`` = k (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`), and the
   student's CFG is the call's ``true_cfg_scale``.
@@ -33,16 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
 
-__all__ = ["QwenImageFamily", "QwenImagePromptEncoder", "TEXT_TOKENS", "qwen_image_velocity"]
+__all__ = ["QwenImageFamily", "QwenImagePromptEncoder", "TEXT_TOKENS", "norm_rescaled_cfg", "qwen_image_velocity"]
 
 logger = logging.getLogger(__name__)
 
 # QwenImagePipeline.__call__'s max_sequence_length: the prompt states after the dropped template header are cut to it
 TEXT_TOKENS = 512
+# QwenImagePipeline.__call__'s true_cfg_scale default (diffusers 0.42.1), the model card's too
+STOCK_GUIDANCE_SCALE = 4.0
 
 
 class QwenImagePromptEncoder:
@@ -95,18 +101,41 @@ def qwen_image_velocity(
     param = next(denoiser.parameters())
     device, dtype = param.device, param.dtype
     batch, _, height, width = latents.shape
-    mask = cond["encoder_hidden_states_mask"].to(device) > 0.5
+    # The cut and the mask-or-None choice set the call's shapes, so the host needs them: read from the mask where it
+    # lies on the host (the sampler's cond, a prompt cache's), they cost no wait for the GPU; a mask a caller already
+    # moved to the GPU costs one transfer (there were two, each a sync, in every forward).
+    mask = cond["encoder_hidden_states_mask"].detach().cpu() > 0.5
     length = max(int(mask.sum(dim=1).max()), 1)
     mask = mask[:, :length]
+    padded = not bool(mask.all())
     out = denoiser(
         hidden_states=pack_latents(latents.to(device, dtype)),
         timestep=timestep.to(device, torch.float32) / 1000,
         encoder_hidden_states=cond["encoder_hidden_states"][:, :length].to(device, dtype),
-        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        encoder_hidden_states_mask=mask.to(device, non_blocking=True) if padded else None,
         img_shapes=[[(1, height // PACK, width // PACK)]] * batch,
         return_dict=False,
     )[0]
     return unpack_latents(out.float(), height, width)
+
+
+def norm_rescaled_cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """True CFG as ``QwenImagePipeline.__call__`` samples with it (diffusers 0.42.1, ``pipeline_qwenimage.py``):
+    ``comb = u + w·(c − u)``, then ``comb · ‖c‖ / ‖comb‖`` with the L2 norms per packed token, over its ``4·C``
+    values (one 2×2 patch of latent pixels: the pipeline's ``dim=-1`` of the ``(B, N, 4·C)`` tokens).
+
+    Args:
+        v_cond, v_uncond: velocities ``(B, C, H, W)`` of the prompt and the negative prompt, any float dtype.
+        guidance_scale: w (the pipeline's ``true_cfg_scale``).
+
+    Returns:
+        float32 ``(B, C, H, W)``. A token whose ``comb`` is zero gives NaN, as in the pipeline.
+    """
+    height, width = v_cond.shape[-2:]
+    cond, uncond = pack_latents(v_cond.float()), pack_latents(v_uncond.float())
+    comb = uncond + guidance_scale * (cond - uncond)
+    rescaled = comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+    return unpack_latents(rescaled, height, width)
 
 
 @register_family
@@ -114,13 +143,16 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
     """Diffusers Qwen-Image pipelines: ``QwenImageTransformer2DModel`` over packed VAE latents, Qwen2.5-VL text.
 
     Cond kwargs: ``{"encoder_hidden_states": (B, 512, joint_attention_dim), "encoder_hidden_states_mask": (B, 512)}``
-    (float32, the mask 0/1). True CFG (plain; see the module docstring), a VAE codec, image tokens for the GAN head,
-    and a stock export that ``QwenImagePipeline`` samples.
+    (float32, the mask 0/1). True CFG with the stock pipeline's optional norm rescale (the module docstring), a VAE
+    codec, image tokens for the GAN head, and a stock export that ``QwenImagePipeline`` samples.
     """
 
     name = "qwen_image"
     pipeline_classes = ("QwenImagePipeline",)
     stock_scheduler = True
+    # the model card's negative prompt (Qwen/Qwen-Image README); QwenImagePipeline runs no CFG without one
+    stock_negative_prompt = " "
+    stock_cfg_norm_rescale = True
     transformer_class = "QwenImageTransformer2DModel"
     compatible_keys = {
         "in_channels": "packed latent channels",
@@ -165,6 +197,14 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
         last = len(denoiser.transformer_blocks) - 1
         prefixes = (f"transformer_blocks.{last}.attn.to_add_out.", f"transformer_blocks.{last}.txt_mlp.")
         return [name for name, _ in denoiser.named_parameters() if name.startswith(prefixes)]
+
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """4.0: ``QwenImagePipeline.__call__``'s ``true_cfg_scale`` (diffusers 0.42.1) and the model card's."""
+        return STOCK_GUIDANCE_SCALE
+
+    def norm_rescaled_cfg(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """The stock pipeline's norm-rescaled CFG: :func:`norm_rescaled_cfg`."""
+        return norm_rescaled_cfg(v_cond, v_uncond, guidance_scale)
 
     def stock_sampling_kwargs(self, path: str | Path, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The student's CFG as ``true_cfg_scale`` (``guidance_scale`` is the guidance-distilled input Qwen-Image
@@ -212,7 +252,8 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float normalised latents ``(B, C, h, w)`` → uint8 ``(B, 8h, 8w, 3)``."""
         mean, std = self._statistics()
-        latents = latents.detach().float().cpu() * std + mean
-        pixels = self.vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
+        latents = latents.detach().float() * std.to(latents.device) + mean.to(latents.device)
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
         pixels = ((pixels.clamp(-1.0, 1.0) + 1.0) / 2.0 * 255.0).round()
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()

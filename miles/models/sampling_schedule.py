@@ -387,9 +387,11 @@ def stock_sampling_kwargs(pipeline_dir: str | os.PathLike, family: Any = None) -
 
     ``{"num_inference_steps": S, "guidance_scale": w}`` for a student on a shifted grid (the export's scheduler
     config builds the grid from S), ``{"sigmas": [t / 1000, ...], "guidance_scale": w}`` for explicit
-    ``--diffusion-timesteps``; w is the student's own guidance (1 for DMD2). The family renames them where its
-    pipeline calls them otherwise (``ModelFamily.stock_sampling_kwargs``; Qwen-Image's CFG is ``true_cfg_scale``).
-    Use as ``pipe(prompt, **stock_sampling_kwargs(export))``.
+    ``--diffusion-timesteps``; w is the student's own guidance (1 for DMD2). The family adds the size the student
+    was trained at (``height``, ``width``, and ``num_frames`` for video) and renames the keywords where its pipeline
+    calls them otherwise (``ModelFamily.stock_sampling_kwargs``; Qwen-Image's CFG is ``true_cfg_scale``). Use as
+    ``pipe(prompt, **stock_sampling_kwargs(export))``: the stock pipeline's own default size (1024², 81 × 480 × 832)
+    is not the export's.
 
     Args:
         family: the export's model family; None looks it up by ``model_index.json`` (an unregistered pipeline

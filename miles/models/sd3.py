@@ -4,6 +4,9 @@ Prompts are encoded by the pipeline's own ``encode_prompt`` (two CLIP encoders p
 the pipeline was saved with ``text_encoder_3=None``). Latents are the VAE's, normalised as the pipeline does:
 ``z = (vae.encode(x).mode() − shift_factor) · scaling_factor``, decoded by ``x = vae.decode(z / scaling_factor +
 shift_factor)`` with pixels ``x`` in [-1, 1].
+
+Stock settings (``StableDiffusion3Pipeline.__call__``, diffusers 0.42.1): CFG ``guidance_scale`` 7.0 against
+``negative_prompt or ""``; the flow shift is the scheduler config's ``shift`` (3.0 in the SD3 / SD3.5 releases).
 """
 
 import logging
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 
 __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
@@ -24,6 +27,8 @@ logger = logging.getLogger(__name__)
 # T5 tokens per prompt: StableDiffusion3Pipeline's default max_sequence_length; CLIP adds its 77.
 T5_TOKENS = 256
 CLIP_TOKENS = 77
+# StableDiffusion3Pipeline.__call__'s guidance_scale default (diffusers 0.42.1)
+STOCK_GUIDANCE_SCALE = 7.0
 # Transformer config keys the teacher and the critic must share with the student: they take the student's latents
 # (channels, size) and its prompt encodings (text width, pooled width).
 COMPATIBLE_KEYS = {
@@ -172,6 +177,33 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiableP
         """Text tokens per prompt the denoiser attends to: 77 CLIP + 256 T5 (T5 padded to its length)."""
         return CLIP_TOKENS + T5_TOKENS
 
+    def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float:
+        """The shift the stock pipeline samples pipeline ``path`` with: a student export's own k
+        (``_miles_flow_shift``), else ``e^mu`` at the sample's ``(H/p)·(W/p)`` tokens for a dynamic scheduler config
+        (``StableDiffusion3Pipeline`` computes ``mu`` so), else the scheduler config's ``shift`` (3.0 for the SD3 /
+        SD3.5 releases). ``num_steps`` is not used.
+
+        Raises:
+            OSError / ValueError: when the scheduler (or, for a dynamic config, the transformer) config is missing
+                or unreadable.
+        """
+        from miles.models.sampling_schedule import SCHEDULE_KEYS
+        from miles.models.stock_defaults import dynamic_flow_shift
+
+        config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
+        if SCHEDULE_KEYS["shift"] in config:
+            return float(config[SCHEDULE_KEYS["shift"]])
+        if config.get("use_dynamic_shifting", False):
+            transformer = read_json(Path(path) / DENOISER / "config.json", "transformer config")
+            _, height, width = sd3_latent_shape(path)
+            patch = int(transformer.get("patch_size", 2))
+            return dynamic_flow_shift(config, (height // patch) * (width // patch))
+        return float(config.get("shift", 1.0))
+
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """7.0: ``StableDiffusion3Pipeline.__call__``'s ``guidance_scale`` (diffusers 0.42.1)."""
+        return STOCK_GUIDANCE_SCALE
+
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The transformer config keys of :data:`COMPATIBLE_KEYS`, labelled ``"latent channels (in_channels)"``."""
         config = read_json(Path(path) / DENOISER / "config.json", "transformer config")
@@ -239,10 +271,10 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiableP
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float VAE latents ``(B, C, h, w)`` → uint8 ``(B, h·f, w·f, 3)``."""
         scaling, shift = self._factors()
-        device = next(self.vae.parameters()).device  # the CPU, unless latents_to_pixels moved it
-        pixels = self.vae.decode(latents.detach().float().to(device) / scaling + shift, return_dict=False)[0].cpu()
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents.detach().float() / scaling + shift, return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()
 
     def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """float VAE latents ``(B, C, h, w)`` → float32 pixels ``(B, 3, h·f, w·f)``, ``(decode + 1) / 2``, unclipped,

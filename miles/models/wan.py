@@ -28,16 +28,18 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import terminal_scheduler_config
 from miles.models.stock_defaults import read_sample_size
 
 __all__ = ["WanFamily", "WanPromptEncoder"]
 
-# WanPipeline.__call__'s max_sequence_length and default clip (frames, height, width)
+# WanPipeline.__call__'s max_sequence_length, default clip (frames, height, width) and default guidance_scale
+# (diffusers 0.42.1)
 TEXT_TOKENS = 512
 DEFAULT_SAMPLE_SIZE = (81, 480, 832)
+STOCK_GUIDANCE_SCALE = 5.0
 # transformer config keys a teacher and a critic must share with the student
 COMPATIBLE_KEYS = {
     "in_channels": "latent channels",
@@ -182,6 +184,11 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         return float(config.get("flow_shift", config.get("shift", 1.0)))
 
+    def stock_guidance_scale(self, path: str | Path) -> float:
+        """5.0: ``WanPipeline.__call__``'s ``guidance_scale`` (one expert; Wan 2.2's second expert has its own
+        ``guidance_scale_2``, which miles does not train)."""
+        return STOCK_GUIDANCE_SCALE
+
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
         """A static scheduler whose ``set_timesteps(S)`` builds the student's grid (``shift`` m, ``shift_terminal``),
         or None for explicit timesteps (:func:`~miles.models.sampling_schedule.terminal_scheduler_config`)."""
@@ -262,6 +269,8 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """float latents ``(B, C, F', h, w)`` → uint8 clips ``(B, F, 8h, 8w, 3)``."""
         mean, std = self._statistics()
-        pixels = self.vae.decode(latents.detach().float().cpu() * std + mean, return_dict=False)[0]
+        latents = latents.detach().float() * std.to(latents.device) + mean.to(latents.device)
+        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
+            pixels = vae.decode(latents, return_dict=False)[0]
         pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()
+        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 4, 1).contiguous()

@@ -48,12 +48,19 @@ def use_gpu_bundles() -> bool:
 
 
 def bundle_cpus(args) -> int:
-    """CPUs per bundle: ``--num-cpus-per-rank``, or the smallest node's CPUs divided among the processes that hold a
-    bundle on it (``--actor-num-gpus-per-node`` trainer ranks, plus the engine replicas), at least 1. Needs
-    ``ray.init`` first."""
+    """CPUs per bundle: ``--num-cpus-per-rank``, or the smallest bundle-holding node's CPUs divided among the
+    processes that hold a bundle on it (``--actor-num-gpus-per-node`` trainer ranks, plus the engine replicas), at
+    least 1. Needs ``ray.init`` first.
+
+    On a cluster with GPUs the bundles hold a GPU each, so only the nodes with GPUs count: a CPU-only head node (8
+    CPUs beside 192-CPU GPU nodes) holds no bundle and must not leave every rank one thread. Without GPUs every node
+    may hold bundles and all count.
+    """
     if args.num_cpus_per_rank:
         return int(args.num_cpus_per_rank)
-    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    gpu_nodes = [resources for resources in nodes if resources.get("GPU", 0) > 0]
+    node_cpus = [resources.get("CPU", 0) for resources in (gpu_nodes or nodes)]
     node_cpus = [cpus for cpus in node_cpus if cpus > 0] or [1]
     per_node = args.actor_num_gpus_per_node + (args.rollout_num_gpus if args.actor_num_nodes == 1 else 0)
     return max(1, int(min(node_cpus) // max(1, per_node)))

@@ -104,13 +104,20 @@ class PromptConditioner:
 
     def negative(self) -> dict[str, torch.Tensor]:
         """The negative prompt's cond kwargs, one row without a batch dim: from ``--negative-cond`` when given,
-        else ``--negative-prompt`` encoded by the text encoder. Computed once per process."""
+        else ``--negative-prompt`` (unset: the family's ``stock_negative_prompt``) encoded by the text encoder, with
+        one log line that says which prompt and why. Computed once per process."""
         if self._negative is None:
             path = self.args.negative_cond
             if path:
                 self._negative = load_cond_file(path, where="--negative-cond")
             else:
-                self._negative = encode_one_prompt(self.family, self.encoder, self.args.negative_prompt)
+                prompt = getattr(self.args, "negative_prompt", None)
+                origin = getattr(self.args, "negative_prompt_origin", "--negative-prompt")
+                if prompt is None:
+                    prompt = self.family.stock_negative_prompt
+                    origin = f"the {self.family.name} family's (its stock pipeline's default)"
+                logger.info("encoding the negative prompt %r: %s", prompt, origin)
+                self._negative = encode_one_prompt(self.family, self.encoder, prompt)
         return self._negative
 
 

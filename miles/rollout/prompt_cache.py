@@ -87,7 +87,7 @@ def write_prompt_cache(
     *,
     input_key: str = "prompt",
     cond_key: str = "cond",
-    negative_prompt: str = "",
+    negative_prompt: str | None = None,
     device: str | torch.device = "cpu",
     dtype: str = "float32",
     batch_size: int = 16,
@@ -101,7 +101,8 @@ def write_prompt_cache(
         prompts_path: JSONL, one object per line with the prompt under ``input_key``.
         out_dir: the cache directory (created; existing cache files are replaced).
         cond_key: the field of ``prompts.jsonl`` that names each record's cond file (the trainer's ``--cond-key``).
-        negative_prompt: encoded to ``negative.safetensors`` (the trainer's ``--negative-cond``).
+        negative_prompt: encoded to ``negative.safetensors`` (the trainer's ``--negative-cond``); None: the family's
+            ``stock_negative_prompt`` (``""``; Qwen-Image ``" "``), as the trainer's ``--negative-prompt`` defaults.
         device: where the text encoder runs.
         dtype: ``"float32"`` or ``"bfloat16"``, the stored dtype (the encoder runs as the family loads it; the
             trainer reads the files back as float32).
@@ -135,6 +136,8 @@ def write_prompt_cache(
         family = get_model_family(pipeline, family_name)
     except (FileNotFoundError, ValueError) as exc:
         raise OfflineDataError(str(exc)) from exc
+    if negative_prompt is None:
+        negative_prompt = family.stock_negative_prompt
     records = read_prompt_records(prompts_path, input_key)
     ensure_writable_dir(out_dir, "cond")
 
@@ -192,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--cond-key", default="cond", help="key naming each record's cond file (default: cond)")
-    parser.add_argument("--negative-prompt", default="", help='negative prompt to cache (default: "")')
+    parser.add_argument(
+        "--negative-prompt",
+        default=None,
+        help='negative prompt to cache (default: the model family\'s stock one, "" or Qwen-Image\'s " ")',
+    )
     parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per encoder call (default: 16)")

@@ -68,7 +68,7 @@ class RolloutEngineWorker:
     ) -> torch.Tensor:
         """Full-trajectory samples of the shard with the replica's current weights: uint8 ``(B, H, W, C)``."""
         latents = self.generator.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        return decode_latents(self.family, latents)
+        return decode_latents(self.family, latents, self.device)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the student's full (unsharded) state dict of CPU tensors.

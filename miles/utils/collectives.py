@@ -6,6 +6,7 @@ engine replica or any single process passes :class:`LocalCollectives`, so the sa
 no process group at all.
 """
 
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -48,34 +49,45 @@ class LocalCollectives:
 
 
 class ProcessGroupCollectives:
-    """The collectives over the default ``torch.distributed`` process group.
+    """The collectives of the default ``torch.distributed`` process group's ranks, run on a gloo group of their own.
+
+    What the ranks agree on here are a few host-side values (counts, the metrics, "everyone arrived"), so they go
+    over a CPU (gloo) group created beside the default one, never over NCCL: a rank waiting in :meth:`barrier` while
+    rank 0 alone exports a pipeline or pushes weights to the engine replicas then waits on the host, outside NCCL's
+    watchdog, and no CUDA stream is synchronised for a handful of integers. FSDP2 and DCP keep using the default
+    (NCCL) group for the tensors.
 
     Args:
-        device: where the reduced tensors live (the rank's CUDA device under NCCL, the CPU under gloo).
+        device: the rank's training device (kept for callers; the collectives here run on the CPU).
+        timeout: how long a rank waits in one of these collectives (``--distributed-timeout-minutes``); None is
+            gloo's default (30 minutes).
+
+    Collective: every rank of the default group constructs it, in the same order as its other group creations.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeout: timedelta | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group)
         return [int(value) for value in tensor.tolist()]
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         if self.world_size == 1:
             return [obj]
         gathered = [None] * self.world_size if self.rank == 0 else None
-        self._dist.gather_object(obj, gathered, dst=0)
+        self._dist.gather_object(obj, gathered, dst=0, group=self.group)
         return gathered
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._dist.barrier(group=self.group)
 
 
 def check_equal_counts(

@@ -210,6 +210,7 @@ def guided_velocity(
     cond: dict[str, torch.Tensor],
     neg_cond: dict[str, torch.Tensor] | None,
     guidance_scale: float,
+    combine: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = apply_cfg,
 ) -> torch.Tensor:
     """The velocity with true CFG: one forward without guidance, one batched ``[uncond; cond]`` forward with it.
 
@@ -222,9 +223,11 @@ def guided_velocity(
         latents: ``(B, C, H, W)``; timestep: float32 ``(B,)`` in [0, 1000].
         cond, neg_cond: batched cond kwargs of the prompts and of the negative prompt (same keys and batch).
         guidance_scale: w; at 1 ``neg_cond`` is not used.
+        combine: ``combine(v_cond, v_uncond, w) -> v`` float32, the guided velocity of the two branches; default
+            :func:`apply_cfg` (a family may add its stock sampler's rescale, e.g. Qwen-Image's per-token norm).
 
     Returns:
-        float32 ``(B, C, H, W)``: ``apply_cfg(v_cond, v_uncond, w)``.
+        float32 ``(B, C, H, W)``: ``combine(v_cond, v_uncond, w)``.
 
     Raises:
         ValueError: if ``w != 1`` and ``neg_cond`` is missing or has other keys than ``cond``.
@@ -240,7 +243,7 @@ def guided_velocity(
     both = {key: torch.cat([neg_cond[key].to(cond[key].device), cond[key]]) for key in cond}
     velocity = predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]), both).float()
     v_uncond, v_cond = velocity.chunk(2)
-    return apply_cfg(v_cond, v_uncond, guidance_scale)
+    return combine(v_cond, v_uncond, guidance_scale)
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, rollout_id: int | str, sample_indices: list[int]) -> torch.Tensor:

@@ -25,7 +25,8 @@ def _argv(pipeline: Path, data: Path, out: Path, *extra: str) -> list[str]:
         "--prompt-data", str(data), "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4",
         "--micro-batch-size", "1", "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "2",
         "--lr", "1e-3", "--critic-lr", "1e-3", "--lora-rank", "4", "--lora-alpha", "8", "--critic-lora-rank", "2",
-        "--ema-decay", "0.9", "--output-dir", str(out), *extra,
+        # the teacher unguided, as before SD3's stock 7 became the default: no negative prompt to encode
+        "--dmd2-teacher-guidance-scale", "1", "--ema-decay", "0.9", "--output-dir", str(out), *extra,
     ]  # fmt: skip
 
 

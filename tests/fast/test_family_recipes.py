@@ -116,17 +116,22 @@ def test_the_qwen_image_recipe_prepares_its_data_and_plans_lora_roles(tmp_path):
     assert _planned_lora_roles(log)
     assert "memory per GPU, DP rank 0 of 8" in log
     assert "flow shift" in log
+    # the teacher as the recipe says: the stock pipeline's true_cfg_scale 4 with its per-token norm rescale
+    assert (
+        "teacher guidance: --dmd2-teacher-guidance-scale 4: set on the command line; true CFG u + w·(c − u) over two "
+        "branches, with the stock per-token norm rescale"
+    ) in log
 
 
 @pytest.mark.parametrize(
-    "recipe, builder, negative",
+    "recipe, builder, negative, teacher",
     [
-        ("flux_dev", "write_tiny_flux", ""),
-        ("flux2_klein", "write_tiny_flux2_klein", ""),
-        ("sd35_large", None, ""),
+        ("flux_dev", "write_tiny_flux", "", "3.5: set on the command line; embedded"),
+        ("flux2_klein", "write_tiny_flux2_klein", "", "4: set on the command line; true CFG"),
+        ("sd35_large", None, "", "3.5: set on the command line; true CFG"),
     ],
 )
-def test_an_image_recipe_passes_its_dry_run_with_the_memory_plan(tmp_path, recipe, builder, negative):
+def test_an_image_recipe_passes_its_dry_run_with_the_memory_plan(tmp_path, recipe, builder, negative, teacher):
     import tests.support.tiny_pipelines as tiny
     from tests.support.sd3_t5 import tiny_sd3_t5_pipeline
 
@@ -144,6 +149,7 @@ def test_an_image_recipe_passes_its_dry_run_with_the_memory_plan(tmp_path, recip
     _common_lines(log, pipeline, out)
     assert "memory per GPU, DP rank 0 of 8" in log
     assert _planned_lora_roles(log) == (recipe != "flux2_klein")  # klein-4B fits 8 x 80 GB with full weights
+    assert f"teacher guidance: --dmd2-teacher-guidance-scale {teacher}" in log  # the recipe's scale, in its form
 
 
 def test_the_wan_recipe_passes_its_dry_run_on_user_prepared_video_latents(tmp_path):

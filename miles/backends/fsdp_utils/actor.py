@@ -21,6 +21,7 @@ import contextlib
 import logging
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from miles.utils.profiling import profiled
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
 from miles.utils.validation import NonFiniteWeightsError
 
-__all__ = ["FSDPTrainRayActor"]
+__all__ = ["FSDPTrainRayActor", "init_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,30 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def init_distributed(
+    device: torch.device, address: str, rank: int, world_size: int, timeout_minutes: float
+) -> tuple[Any, ProcessGroupCollectives]:
+    """Join the group's process group and build its 1-D ``("dp",)`` mesh and its collectives.
+
+    The default group is NCCL on CUDA and gloo on the CPU (the hybrid ``"cpu:gloo,cuda:nccl"`` string fails on a
+    CPU-only torch); the collectives run on a gloo group of their own (:class:`ProcessGroupCollectives`). Both wait
+    ``timeout_minutes`` (``--distributed-timeout-minutes``) before a rank gives up on the others, instead of NCCL's
+    10 minutes, which rank 0 exporting an 80 GB pipeline or pushing weights to engine replicas outlasts.
+
+    Args:
+        device: the rank's device (:func:`miles.utils.device.worker_device`).
+        address: rank 0's ``tcp://host:port``.
+
+    Returns:
+        ``(mesh, collectives)``.
+    """
+    timeout = timedelta(minutes=timeout_minutes)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return mesh, ProcessGroupCollectives(device, timeout=timeout)
 
 
 class FSDPTrainRayActor:
@@ -104,11 +129,9 @@ class FSDPTrainRayActor:
         hooks = load_hooks(args)
         trainer_class = group_trainer_class(args)
         self.device = worker_device()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        address = f"tcp://{master_addr}:{master_port}"
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size)
-        mesh = init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("dp",))
-        self.collectives = ProcessGroupCollectives(self.device)
+        mesh, self.collectives = init_distributed(
+            self.device, f"tcp://{master_addr}:{master_port}", rank, world_size, args.distributed_timeout_minutes
+        )
         torch.manual_seed(args.seed)
 
         from miles.models import get_model_family
@@ -193,7 +216,7 @@ class FSDPTrainRayActor:
         """
         with self.trainer.sleeper.awake(), self.trainer.eval_weights():
             latents = self.generator.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
-        return decode_latents(self.family, latents)
+        return decode_latents(self.family, latents, self.device)
 
     # -- training ------------------------------------------------------------------------------------------------
     def _pairs(self, rollout_id: int | str, pairs_box: Box) -> list[TrainPair]:
@@ -267,6 +290,7 @@ class FSDPTrainRayActor:
             ref = ray.put(state_dict)
             # A top-level ObjectRef argument reaches each replica resolved, read straight from the object store.
             ray.get([engine.load_weights.remote(ref) for engine in engines])
+        # The other ranks wait on the host (a gloo group), outside NCCL's watchdog, while rank 0 alone pushes.
         self.collectives.barrier()
 
     def export_hf(
@@ -314,6 +338,7 @@ class FSDPTrainRayActor:
                 save_lora=self.args.save_hf_lora,
             )
             logger.debug("exported %s pipeline to %s", self.role, out_dir)
+        # The other ranks wait on the host (a gloo group), outside NCCL's watchdog, while rank 0 alone writes.
         self.collectives.barrier()
         return str(out_dir)
 
@@ -345,6 +370,9 @@ class FSDPTrainRayActor:
         return self.trainer.sleeper.state
 
     def shutdown(self) -> None:
-        """Close the process group."""
+        """Free the group's pinned host buffers (awake) and close the process group."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and not trainer.sleeper.asleep:
+            trainer.sleeper.release_host_buffers()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -100,9 +100,21 @@ class ParameterEMA:
         finally:
             torch._foreach_copy_(self._locals(), live)
 
+    @property
+    def shadows(self) -> list[torch.Tensor]:
+        """The float32 shadows, one per averaged parameter (its local shard), in :attr:`names` order. The group's
+        sleep puts them in its pinned host buffers and back (``SleepController``) by setting this list."""
+        return self._ema.shadow_params
+
+    @shadows.setter
+    def shadows(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self._ema.shadow_params):
+            raise ValueError(f"{len(tensors)} shadows given for {len(self._ema.shadow_params)} parameters")
+        self._ema.shadow_params = list(tensors)
+
     def to(self, device: torch.device) -> None:
-        """Move the shadows (sleep / wake of the group)."""
-        self._ema.shadow_params = [shadow.to(device, non_blocking=True) for shadow in self._ema.shadow_params]
+        """Move the shadows with blocking copies (no pinned memory; a group's sleep uses :attr:`shadows`)."""
+        self._ema.shadow_params = [shadow.to(device) for shadow in self._ema.shadow_params]
 
     def state_dict(self) -> dict:
         """``{"num_updates": int, "shadow": {name: tensor}}``; shadows of DTensor parameters are DTensors with the

@@ -19,7 +19,7 @@ from torch import nn
 
 from miles.backends.fsdp_utils.hooks import TrainHooks, load_hooks
 from miles.backends.fsdp_utils.sleep import SleepController
-from miles.backends.fsdp_utils.trainer import GroupTrainer, timed
+from miles.backends.fsdp_utils.trainer import GroupTrainer, host_means, timed
 from miles.utils.collectives import Collectives
 from miles.utils.types import TrainPair
 
@@ -86,7 +86,7 @@ class FrozenGroupTrainer(GroupTrainer):
         self.sleeper = SleepController([], None, device)
         self.max_skipped_steps = args.max_skipped_steps
         self.skipped_in_a_row = self.skipped_total = self.gradient_bytes = 0
-        self._output_metrics: dict[str, list[float]] = {}
+        self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
 
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
@@ -101,7 +101,7 @@ class FrozenGroupTrainer(GroupTrainer):
         timers = {"train_output_time": 0.0}
         self._output_metrics = {}
         output = timed(timers, "train_output_time", self.device, self.train_output, rollout_id, external, pairs)
-        record = {name: sum(values) / len(values) for name, values in self._output_metrics.items() if values}
+        record = host_means(self._output_metrics)
         return output, self.reduce_metrics([record] if record else []), timers
 
     def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:

@@ -147,7 +147,10 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float | None) -> torch.
         sharded_norm = torch.linalg.vector_norm(squares**0.5, 2.0)
         both = torch.stack([sharded_norm, total_norm.to(sharded_norm)])
         total_norm = torch.linalg.vector_norm(both, 2.0) if whole else sharded_norm
-    if grads and max_norm and max_norm > 0 and torch.isfinite(total_norm):
-        # clip_grads_with_norm_'s factor (it takes parameters and scales their .grad, so it cannot take these).
-        torch._foreach_mul_(shards + whole, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
+    if grads and max_norm and max_norm > 0:
+        # clip_grads_with_norm_'s factor (it takes parameters and scales their .grad, so it cannot take these); 1 for
+        # a non-finite norm (the trainer skips that step), chosen on the device: an `if` on the norm would wait for
+        # the GPU once per window. Multiplying by 1 leaves every value as it was.
+        factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(shards + whole, torch.where(torch.isfinite(total_norm), factor, 1.0))
     return total_norm

@@ -52,14 +52,18 @@ from miles.utils.profiling import profiled
 from miles.utils.types import TrainPair
 from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWeightsError
 
-__all__ = ["GroupTrainer", "group_trainer_class", "timed"]
+__all__ = ["GroupTrainer", "group_trainer_class", "host_means", "host_values", "timed"]
 
 logger = logging.getLogger(__name__)
 
 
 def timed(timers: dict[str, float], key: str, device: torch.device, fn: Callable, *args):
     """Run ``fn(*args)``, adding its seconds to ``timers[key]``; on CUDA also the phase's peak device memory
-    (``timers["peak_<phase>_bytes"]``, the largest over the calls)."""
+    (``timers["peak_<phase>_bytes"]``, the largest over the calls).
+
+    On CUDA the phase ends with one ``torch.cuda.synchronize``: kernels run after the host queued them, so without it
+    the phase's last kernels would fall into the next phase's time (and MFU would read high). A phase that ended
+    with a host transfer was in step already; the synchronize then costs nothing."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -69,10 +73,59 @@ def timed(timers: dict[str, float], key: str, device: torch.device, fn: Callable
         with torch.profiler.record_function(key.removesuffix("_time")):
             return fn(*args)
     finally:
+        if cuda:
+            torch.cuda.synchronize(device)
         timers[key] = timers.get(key, 0.0) + time.perf_counter() - start
         if cuda:
             peak = f"peak_{key.removesuffix('_time')}_bytes"
             timers[peak] = max(timers.get(peak, 0), torch.cuda.max_memory_allocated(device))
+
+
+def host_values(figures: dict[str, Any]) -> dict[str, list[float]]:
+    """Every figure's values as Python numbers, with one device-to-host transfer per device for all of them.
+
+    A loss hook appends its per-pair values to ``metrics[name]`` as tensors (on the device, with no sync) or as
+    numbers; the trainer moves a whole window's figures to the host once (:func:`host_means`), instead of a
+    ``.tolist()`` per micro-batch, each of which waits for the GPU to drain its queue.
+
+    Args:
+        figures: ``{name: value}``, a value being a number, a tensor (each element one value: per-pair ``(B,)``, a
+            0-dim scalar) or a list of numbers and tensors.
+
+    Returns:
+        ``{name: [values in order]}``: each tensor's elements as Python floats (a float32 or bf16 value becomes the
+        Python float ``tensor.cpu().tolist()`` gives), numbers as they are.
+    """
+    layout: list[tuple[str, torch.device | None, Any]] = []  # (name, device of a tensor or None, numel or number)
+    parts: dict[torch.device, list[torch.Tensor]] = {}
+    for name, value in figures.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, torch.Tensor):
+                flat = item.detach().reshape(-1)
+                # float64 holds every float32 / bf16 / small-integer value exactly, as the Python float it becomes.
+                parts.setdefault(flat.device, []).append(flat.to(torch.float64))
+                layout.append((name, flat.device, flat.numel()))
+            else:
+                layout.append((name, None, item))
+    # The one transfer (per device holding figures): everything waits for the device here, and only here.
+    host = {device: torch.cat(tensors).tolist() for device, tensors in parts.items()}
+    offsets = dict.fromkeys(host, 0)
+    values: dict[str, list[float]] = {}
+    for name, device, item in layout:
+        if device is None:
+            values.setdefault(name, []).append(item)
+            continue
+        start = offsets[device]
+        offsets[device] = start + item
+        values.setdefault(name, []).extend(host[device][start : start + item])
+    return values
+
+
+def host_means(figures: dict[str, Any]) -> dict[str, float]:
+    """``{name: sum(values) / len(values)}`` of :func:`host_values` (one transfer), summed as Python floats in order:
+    exactly the figure a hook that extended its list with ``tensor.cpu().tolist()`` gave. A figure without values
+    is left out."""
+    return {name: sum(items) / len(items) for name, items in host_values(figures).items() if items}
 
 
 class GroupTrainer:
@@ -129,7 +182,7 @@ class GroupTrainer:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.gradient_bytes = 0
-        self._output_metrics: dict[str, list[float]] = {}
+        self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
 
     # -- the rollout ---------------------------------------------------------------------------------------------
     def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int) -> TrainContext:
@@ -196,9 +249,9 @@ class GroupTrainer:
             output = timed(timers, "train_output_time", self.device, self.train_output, rollout_id, external, pairs)
         # A hook may have run a frozen model (kept gathered through the phase); free it before the next group.
         self.models.reshard()
-        for name, values in self._output_metrics.items():
-            if values:
-                step_metrics[-1][name] = sum(values) / len(values)
+        output_figures = host_means(self._output_metrics)  # the train-output hook's, joined to the last step's
+        if output_figures:
+            step_metrics[-1].update(output_figures)
         return output, self.reduce_metrics(step_metrics), timers
 
     def _train_input(self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]) -> list[TrainPair]:
@@ -226,7 +279,8 @@ class GroupTrainer:
         stay the trainer's."""
         args = self.args
         window_pairs = sum(len(mb) for mb in micro_batches)
-        hook_metrics: dict[str, list[float]] = {}
+        # Filled by the loss hook with per-pair tensors; moved to the host once, in apply_gradients.
+        hook_metrics: dict[str, list[float | torch.Tensor]] = {}
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self.context(rollout_id, external, first_microbatch_id + j)
@@ -249,26 +303,28 @@ class GroupTrainer:
             # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
             (loss_sum / window_pairs).backward()
             loss_total += loss_sum.detach().double()
-        metrics = {"loss": float(loss_total) / window_pairs}
-        for name, values in hook_metrics.items():
-            if values:
-                metrics[name] = sum(values) / len(values)
-        return self.apply_gradients(rollout_id, metrics)
+        # float64 division on the device is the correctly rounded quotient Python's float division gives.
+        return self.apply_gradients(rollout_id, {"loss": loss_total / window_pairs, **hook_metrics})
 
-    def apply_gradients(self, rollout_id: int | str, metrics: dict[str, float]) -> dict[str, float]:
+    def apply_gradients(self, rollout_id: int | str, metrics: dict[str, Any]) -> dict[str, float]:
         """Clip the accumulated gradients, then take the optimizer and LR steps and run the post-step hooks, or skip
         all of them on a non-finite norm; zero the gradients. Returns ``metrics`` (``loss`` and the hooks' figures)
         with ``grad_norm``, ``lr``, ``step`` and ``skipped_steps`` added.
 
+        Args:
+            metrics: the window's figures, ``loss`` among them, each a number, a tensor or a list of per-pair values
+                (:func:`host_means`); they reach the host in one transfer together with the gradient norm.
+
         Raises:
             NonFiniteError: after ``--max-skipped-steps`` non-finite steps in a row.
         """
-        grad_norm = self.clip_grad_norm()
+        figures = host_means({"grad_norm": self.clip_grad_norm(), **metrics})  # the window's one host transfer
+        grad_norm = figures.pop("grad_norm")
         self.gradient_bytes = sum(
             local_bytes(p.grad) for p in self.models.trainable_parameters() if p.grad is not None
         )
         lr = self.models.scheduler.get_last_lr()[0]
-        metrics = {"loss": metrics["loss"], "grad_norm": grad_norm, "lr": lr, **metrics}
+        metrics = {"loss": figures["loss"], "grad_norm": grad_norm, "lr": lr, **figures}
         if math.isfinite(grad_norm):
             self.models.optimizer.step()
             self.models.scheduler.step()
@@ -307,11 +363,12 @@ class GroupTrainer:
                 "the weights (--max-skipped-steps)"
             )
 
-    def clip_grad_norm(self) -> float:
-        """Global L2 norm of the trainable parameters' gradients (before clipping); clips to ``--clip-grad`` > 0
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the trainable parameters' gradients (before clipping), a 0-dim tensor on the device
+        (left there: :meth:`apply_gradients` reads it with the window's other figures); clips to ``--clip-grad`` > 0
         (:func:`~miles.backends.fsdp_utils.optimizer.clip_grad_norm_`)."""
         grads = [p.grad for p in self.models.trainable_parameters() if p.grad is not None]
-        return float(clip_grad_norm_(grads, self.args.clip_grad))
+        return clip_grad_norm_(grads, self.args.clip_grad)
 
     def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
         """Run the train-output hook on this rank's pairs under no grad (its figures join the last step's)."""

@@ -14,6 +14,8 @@ from miles.driver.memory_plan import (
     LoraSpec,
     PlanSetting,
     format_bytes,
+    host_memory_line,
+    host_memory_per_node,
     plan_group,
     plan_run,
     startup_table,
@@ -138,6 +140,23 @@ def test_start_up_holds_the_shards_one_tensor_in_flight_and_the_groups_before_it
                        *format_bytes(2 * actor_host).split()]  # fmt: skip
 
 
+def test_host_memory_per_node_pins_every_groups_optimizer_and_ema_and_pages_the_sleeping_weights():
+    # Groups sleep on CUDA: their optimizer state and EMA stay in pinned buffers for the run (sleep.HostBuffers), the
+    # sleeping groups' weights in pageable memory; the figures are DP rank 0's times the ranks of a node.
+    critic = GroupMemory("critic", 1, 0, parameters=300, gradients=300, optimizer=600, frozen=100, ema=0, buffers=10,
+                         gathered_train=0, gathered_inference=0, activations=ActivationEstimate(0, 0))  # fmt: skip
+    actor = GroupMemory("actor", 1, 0, parameters=200, gradients=200, optimizer=400, frozen=0, ema=200, buffers=5,
+                        gathered_train=0, gathered_inference=0, activations=ActivationEstimate(0, 0))  # fmt: skip
+    pinned, pageable = host_memory_per_node([critic, actor], ranks_per_node=8)
+    assert pinned == 8 * (600 + 400 + 200)
+    assert pageable == 8 * (300 + 100 + 10)  # the actor awake, the larger critic asleep
+    assert host_memory_per_node([actor], 8) == (0, 0)  # a group alone never sleeps
+    assert host_memory_line([actor], 8) is None
+    assert host_memory_line([critic, actor], 8).startswith(
+        "host memory per node of 8 ranks while groups sleep (on CUDA): 9.38 KiB pinned for the run"
+    )
+
+
 def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
     pipeline = make_pipeline(tmp_path / "digits")
     argv = ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
@@ -155,6 +174,7 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
     assert "critic" in text and "actor" in text and "* estimates" in text
     assert "GPU of 1.02 MiB: does NOT fit" in text
     assert "start-up, one group after the other" in text and "host per node (2 ranks)*" in text
+    assert "host memory per node of 2 ranks while groups sleep (on CUDA): " in text
     _, plans = plan_run(parse_args(argv))
     assert [plan.role for plan in plans] == ["critic", "actor"] and plans[1].frozen == 0
     # A plan that cannot be made (here: no pipeline there) is one warning; the dry run's other checks go on.

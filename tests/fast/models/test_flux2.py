@@ -178,15 +178,13 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     index = json.loads((export / "model_index.json").read_text())
     assert index["scheduler"] == ["diffusers", "FlowMatchLCMScheduler"] and index["is_distilled"] is True
     call = stock_sampling_kwargs(export)
-    assert call == {"num_inference_steps": 2, "guidance_scale": 1.0}
+    # the size it was trained at: the stock call's own default is 1024²
+    assert call == {"num_inference_steps": 2, "guidance_scale": 1.0, "height": SIZE[0], "width": SIZE[1]}
     pipe = Flux2KleinPipeline.from_pretrained(export)
     pipe.set_progress_bar_config(disable=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(11)
-        stock = pipe(
-            prompt=PROMPTS, height=SIZE[0], width=SIZE[1], generator=torch.Generator().manual_seed(7),
-            output_type="latent", **call,
-        ).images  # fmt: skip
+        stock = pipe(prompt=PROMPTS, generator=torch.Generator().manual_seed(7), output_type="latent", **call).images
     family = get_model_family(export)
     noise = torch.randn(len(PROMPTS), *LATENT, generator=torch.Generator().manual_seed(7))
     renoise = torch.Generator().manual_seed(11)

@@ -111,7 +111,13 @@ def test_the_export_names_the_lcm_scheduler_with_the_students_grid(trained):
     assert config["_class_name"] == "FlowMatchLCMScheduler" and config["shift"] == 3.0
     assert config["_miles_num_inference_steps"] == 4 and config["_miles_step_rule"] == "dmd2"
     assert config["_miles_distilled_guidance_scale"] == 2.0 and "stochastic_sampling" not in config
-    assert stock_sampling_kwargs(export) == {"num_inference_steps": 4, "guidance_scale": 1.0}
+    # the size it was trained at (the transformer's sample_size times the VAE's factor: 8 · 2)
+    assert stock_sampling_kwargs(export) == {
+        "num_inference_steps": 4,
+        "guidance_scale": 1.0,
+        "height": 16,
+        "width": 16,
+    }
     # the teacher keeps its Euler scheduler: the export replaced its hard-linked copies instead of writing into them
     assert trained["teacher_unchanged"]
     teacher = json.loads((trained["pipeline"] / "model_index.json").read_text())
@@ -192,7 +198,12 @@ def test_explicit_timesteps_sample_through_sigmas(trained, tmp_path):
     write_sampling_schedule(
         export, num_steps=3, shift=3.0, step_rule="dmd2", timesteps=timesteps, stock_scheduler=True
     )
-    assert stock_sampling_kwargs(export) == {"sigmas": [1.0, 0.8, 0.35], "guidance_scale": 1.0}
+    assert stock_sampling_kwargs(export) == {
+        "sigmas": [1.0, 0.8, 0.35],
+        "guidance_scale": 1.0,
+        "height": 16,
+        "width": 16,
+    }
     stock = _stock_latents(export, init_seed=5, renoise_seed=6)
     ours = _miles_latents(export, 5, 6, FlowNoiseSchedule(3, 3.0, timesteps=timesteps), "dmd2")
     torch.testing.assert_close(stock, ours, rtol=0, atol=1e-5)

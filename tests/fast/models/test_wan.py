@@ -165,16 +165,16 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
     config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
     assert config["_class_name"] == "FlowMatchLCMScheduler" and config["_miles_flow_shift"] == 3.0
     call = stock_sampling_kwargs(export)
-    assert call == {"num_inference_steps": 2, "guidance_scale": 1.0}
+    # the clip size it was trained at: the stock call's own default is 81 × 480 × 832
+    frames, height, width = SIZE
+    assert call == {
+        "num_inference_steps": 2, "guidance_scale": 1.0, "num_frames": frames, "height": height, "width": width,
+    }  # fmt: skip
     pipe = WanPipeline.from_pretrained(export)
     pipe.set_progress_bar_config(disable=True)
-    frames, height, width = SIZE
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(11)
-        stock = pipe(
-            prompt=PROMPTS, num_frames=frames, height=height, width=width,
-            generator=torch.Generator().manual_seed(7), output_type="latent", **call,
-        ).frames  # fmt: skip
+        stock = pipe(prompt=PROMPTS, generator=torch.Generator().manual_seed(7), output_type="latent", **call).frames
     family = get_model_family(export)
     noise = torch.randn(len(PROMPTS), *LATENT, generator=torch.Generator().manual_seed(7))
     renoise = torch.Generator().manual_seed(11)

@@ -68,6 +68,28 @@ def test_resource_fractions_fill_a_bundle_exactly():
     assert placement.trainer_resources(num_groups=2, use_gpu=False, cpus=4) == (0.0, 2.0)
 
 
+def _node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return {"Alive": alive, "Resources": resources}
+
+
+def test_bundle_cpus_count_only_the_gpu_nodes_of_a_cluster_with_gpus(monkeypatch):
+    # Mocked ray.nodes(): it stands in for a multi-node GPU cluster (an 8-CPU head without GPUs beside two
+    # 192-CPU nodes of 8 GPUs each), which this machine cannot start. Only GPU nodes hold bundles there.
+    args = _args("sft_loss", 8, "--actor-num-nodes", "2", "--rollout-batch-size", "16")
+    head, gpu_node = _node(8), _node(192, gpus=8)
+    monkeypatch.setattr(ray, "nodes", lambda: [head, gpu_node, dict(gpu_node), _node(4, gpus=8, alive=False)])
+    assert placement.bundle_cpus(args) == 24  # 192 CPUs / 8 ranks; the base commit gave 8 // 8 = 1
+    # A GPU node smaller than the others sets the share.
+    monkeypatch.setattr(ray, "nodes", lambda: [head, gpu_node, _node(96, gpus=8)])
+    assert placement.bundle_cpus(args) == 12
+    # Without GPUs every node may hold CPU bundles, so the smallest node counts.
+    monkeypatch.setattr(ray, "nodes", lambda: [_node(16), _node(64)])
+    assert placement.bundle_cpus(args) == 2
+    monkeypatch.setattr(ray, "nodes", lambda: [head])
+    assert placement.bundle_cpus(_args("sft_loss", 12)) == 1  # at least 1
+
+
 def test_dmd2_critic_trains_first_from_critic_load_at_critic_lr_with_sibling_dirs_and_k_steps():
     args = _args(
         "dmd2", 2, "--critic-load", "/models/critic_init", "--critic-lr", "8e-6", "--lr", "2e-6",

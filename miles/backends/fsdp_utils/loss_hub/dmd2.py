@@ -139,7 +139,7 @@ def critic_gan_loss(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
     rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × the discriminator's loss
@@ -165,10 +165,10 @@ def critic_gan_loss(
     settings = dmd2_settings(ctx.args)
     gan = disc + judge_loss(settings, logit, prepared.extras, metrics) if len(groups) > 2 else disc
     weight = settings.gan_disc_weight
-    metrics.setdefault("sft_loss", []).extend(sft.detach().cpu().tolist())
-    metrics.setdefault("gan_disc_loss", []).extend(disc.detach().cpu().tolist())
-    metrics.setdefault("gan_logit_real", []).extend(logit["real"].detach().cpu().tolist())
-    metrics.setdefault("gan_logit_fake", []).extend(logit["fake"].detach().cpu().tolist())
+    metrics.setdefault("sft_loss", []).append(sft.detach())
+    metrics.setdefault("gan_disc_loss", []).append(disc.detach())
+    metrics.setdefault("gan_logit_real", []).append(logit["real"].detach())
+    metrics.setdefault("gan_logit_fake", []).append(logit["fake"].detach())
     return (sft + weight * gan).sum()
 
 
@@ -231,14 +231,15 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
 
     This is the scoring half of tianweiy/DMD2 ``compute_distribution_matching_loss`` (real score with CFG, fake
     score without), see [DMD2 4/7]. The teacher is guided in its family's form (``family.guided_velocity``): true
-    CFG over the pairs' negative cond, or the scale as an input for a guidance-distilled teacher. Both models are
-    resharded afterwards, also on error.
+    CFG over the pairs' negative cond (with the stock sampler's per-token norm rescale when the settings ask for it:
+    Qwen-Image), or the scale as an input for a guidance-distilled teacher. Both models are resharded afterwards,
+    also on error.
 
     Args:
         ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
             (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
-            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale,
-            scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
+            ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale and
+            norm rescale, scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i`` float32 ``(C, H, W)``.
 
     It also appends the shard's collapse-alarm figures (:func:`miles.utils.health.health_figures` of the student's
@@ -273,6 +274,9 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     true_cfg = supports(ctx.family, TrueCFG)
     if guidance_scale != 1.0 and true_cfg:
         _check_negative_conds(train_pairs, guidance_scale)
+    # the stock sampler's per-token norm rescale (Qwen-Image), passed only when asked for: a family's own
+    # guided_velocity need not take the keyword
+    rescale = {"norm_rescale": True} if settings.teacher_cfg_norm_rescale and guidance_scale != 1.0 else {}
     grid = trainer_flow_grid(args)
     # The continuous rules draw σ in the range itself; only the grid rule needs grid points inside it.
     allowed = scoring_grid_indices(args, grid) if settings.scoring_sigma == "grid" else None
@@ -296,7 +300,13 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
                     collate_cond([pair.neg_cond for pair in chunk]) if guidance_scale != 1.0 and true_cfg else None
                 )
                 v_real = ctx.family.guided_velocity(
-                    partial(ctx.predict_velocity, teacher), x_sigma, timestep, pos_cond, neg_cond, guidance_scale
+                    partial(ctx.predict_velocity, teacher),
+                    x_sigma,
+                    timestep,
+                    pos_cond,
+                    neg_cond,
+                    guidance_scale,
+                    **rescale,
                 )
                 v_fake = ctx.predict_velocity(critic, x_sigma, timestep, pos_cond)
                 x0_real_parts.append(x0_from_velocity(x_sigma, sigma_b, v_real.cpu()))
@@ -384,7 +394,7 @@ def prepare_generator_batch(ctx: TrainContext, train_pairs: list[DMD2Pair]) -> P
 
 
 def record_rollout_train_abs_diff(
-    metrics: dict[str, list[float]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
+    metrics: dict[str, list[float | torch.Tensor]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
 ) -> None:
     """Append per-pair gaps between a trainer-side tensor and its rollout counterpart to ``metrics``.
 
@@ -400,9 +410,9 @@ def record_rollout_train_abs_diff(
     diff = (train - rollout).abs().flatten(1)
     max_diff = diff.max(dim=1).values
     scale = rollout.abs().flatten(1).max(dim=1).values.clamp_min(_REL_EPS)
-    metrics.setdefault(f"{prefix}_mean_abs_diff", []).extend(diff.mean(dim=1).cpu().tolist())
-    metrics.setdefault(f"{prefix}_max_abs_diff", []).extend(max_diff.cpu().tolist())
-    metrics.setdefault(f"{prefix}_rel_max", []).extend((max_diff / scale).cpu().tolist())
+    metrics.setdefault(f"{prefix}_mean_abs_diff", []).append(diff.mean(dim=1).detach())
+    metrics.setdefault(f"{prefix}_max_abs_diff", []).append(max_diff.detach())
+    metrics.setdefault(f"{prefix}_rel_max", []).append((max_diff / scale).detach())
 
 
 def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.device):
@@ -435,7 +445,7 @@ def dmd2_loss_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """DMD2 generator surrogate, summed over the micro-batch's pairs ([DMD2 5/7]).
 
@@ -488,13 +498,13 @@ def dmd2_loss_formula(
         grad = add_reward_gradient(ctx, dm_grad, grad, prepared.extras["sample_index"], metrics)
     per_pair = 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean(dim=reduce_dims)
 
-    metrics.setdefault("dmd2_loss", []).extend(per_pair.detach().cpu().tolist())
-    metrics.setdefault("dmd2_grad_abs_mean", []).extend(grad.abs().flatten(1).mean(dim=1).cpu().tolist())
-    metrics.setdefault("dmd2_nonfinite_frac", []).extend(nonfinite.flatten(1).float().mean(dim=1).cpu().tolist())
+    metrics.setdefault("dmd2_loss", []).append(per_pair.detach())
+    metrics.setdefault("dmd2_grad_abs_mean", []).append(grad.abs().flatten(1).mean(dim=1).detach())
+    metrics.setdefault("dmd2_nonfinite_frac", []).append(nonfinite.flatten(1).float().mean(dim=1).detach())
     if g_gan is not None:
         gan_step = gan_weight * x0[0].numel() * g_gan
         ratio_norm = gan_step.flatten(1).norm(dim=1) / dm_grad.flatten(1).norm(dim=1).clamp_min(_REL_EPS)
-        metrics.setdefault("dmd2_gan_grad_abs_mean", []).extend(g_gan.abs().flatten(1).mean(dim=1).cpu().tolist())
-        metrics.setdefault("dmd2_gan_dm_grad_ratio", []).extend(ratio_norm.cpu().tolist())
+        metrics.setdefault("dmd2_gan_grad_abs_mean", []).append(g_gan.abs().flatten(1).mean(dim=1).detach())
+        metrics.setdefault("dmd2_gan_dm_grad_ratio", []).append(ratio_norm.detach())
     record_rollout_train_abs_diff(metrics, "x0", x0, prepared.extras["rollout_x0"])
     return per_pair.sum()

@@ -43,6 +43,8 @@ class DMD2Settings:
     Attributes:
         critic_steps_per_rollout: K critic steps per student step.
         teacher_guidance_scale: CFG scale of the teacher's score (1 = no CFG).
+        teacher_cfg_norm_rescale: rescale the teacher's true-CFG velocity per token as its stock sampler does
+            (``TrueCFG.norm_rescaled_cfg``; Qwen-Image).
         critic_scoring: ``"fused"`` or ``"original"``.
         min_timestep_ratio, max_timestep_ratio: the scoring range of timesteps / 1000.
         scoring_sigma: the scoring σ rule, ``"grid"``, ``"shift"`` or ``"logit-normal"``
@@ -62,6 +64,7 @@ class DMD2Settings:
 
     critic_steps_per_rollout: int = 5
     teacher_guidance_scale: float = 1.0
+    teacher_cfg_norm_rescale: bool = False
     critic_scoring: str = "fused"
     min_timestep_ratio: float = 0.02
     max_timestep_ratio: float = 0.98
@@ -90,6 +93,7 @@ class DMD2Settings:
         return cls(
             critic_steps_per_rollout=args.dmd2_critic_steps_per_rollout,
             teacher_guidance_scale=float(args.dmd2_teacher_guidance_scale),
+            teacher_cfg_norm_rescale=bool(getattr(args, "dmd2_teacher_cfg_norm_rescale", False)),
             critic_scoring=args.dmd2_critic_scoring,
             min_timestep_ratio=args.dmd2_min_timestep_ratio,
             max_timestep_ratio=args.dmd2_max_timestep_ratio,

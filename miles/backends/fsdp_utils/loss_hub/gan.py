@@ -326,7 +326,7 @@ def judge_rows(
 
 
 def judge_loss(
-    settings, logit: dict[str, torch.Tensor], extras: dict, metrics: dict[str, list[float]]
+    settings, logit: dict[str, torch.Tensor], extras: dict, metrics: dict[str, list[float | torch.Tensor]]
 ) -> torch.Tensor:
     """Per pair, the optional rows' discriminator terms (float32 ``(B,)``): ``w_mismatch · softplus(D(real, another
     prompt))`` (0 for a pair without one) ``+ w_r1 · (D(real) − D(real + α·ε'))²``; ``logit`` maps each group of
@@ -336,11 +336,11 @@ def judge_loss(
     if "mismatch" in logit:
         valid = extras["gan_mismatch_valid"].to(device=terms.device, dtype=torch.float32)
         terms = terms + settings.gan_mismatch_weight * valid * F.softplus(logit["mismatch"])
-        metrics.setdefault("gan_logit_mismatch", []).extend(logit["mismatch"].detach().cpu().tolist())
+        metrics.setdefault("gan_logit_mismatch", []).append(logit["mismatch"].detach())
     if "r1" in logit:
         r1 = approximate_r1(logit["real"], logit["r1"])
         terms = terms + settings.gan_r1_weight * r1
-        metrics.setdefault("gan_r1", []).extend(r1.detach().cpu().tolist())
+        metrics.setdefault("gan_r1", []).append(r1.detach())
     return terms
 
 

@@ -130,7 +130,7 @@ def add_reward_gradient(
     dm_grad: torch.Tensor,
     grad: torch.Tensor,
     sample_index: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """The actor's side: ``grad − w·numel·∂r/∂x̂0`` per pair (``w`` = ``--dmd2-reward-weight``), ``grad`` unchanged
     with weight 0 (the reward group then does not exist).
@@ -154,6 +154,6 @@ def add_reward_gradient(
     reward, g_reward = _reward_rows(ctx, sample_index, grad.device)
     step = weight * grad[0].numel() * g_reward
     ratio = step.flatten(1).norm(dim=1) / dm_grad.flatten(1).norm(dim=1).clamp_min(_EPS)
-    metrics.setdefault("dmd2_reward", []).extend(reward.cpu().tolist())
-    metrics.setdefault("dmd2_reward_dm_grad_ratio", []).extend(ratio.cpu().tolist())
+    metrics.setdefault("dmd2_reward", []).append(reward.detach())
+    metrics.setdefault("dmd2_reward_dm_grad_ratio", []).append(ratio.detach())
     return grad - step

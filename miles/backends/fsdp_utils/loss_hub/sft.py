@@ -95,7 +95,7 @@ def sft_loss_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    metrics: dict[str, list[float]],
+    metrics: dict[str, list[float | torch.Tensor]],
 ) -> torch.Tensor:
     """Flow-matching MSE ``mean((v̂ − v)²)`` per pair, summed over the micro-batch's pairs.
 
@@ -105,12 +105,13 @@ def sft_loss_formula(
     Args:
         new_pred: the model's velocity ``v̂``, float32 ``(B, C, H, W)``.
         prepared: the batch of :func:`prepare_sft_batch`; ``prepared.target`` is ``v = ε − x0``.
-        metrics: appends one ``"sft_loss"`` value per pair (python float).
+        metrics: appends the ``"sft_loss"`` values of the pairs, a detached float32 ``(B,)`` tensor on the device
+            (the trainer reads a window's figures to the host at once).
 
     Returns:
         A float32 scalar: the sum over pairs of each pair's mean squared velocity error.
     """
     target = prepared.target.to(device=new_pred.device, dtype=torch.float32)
     per_pair = (new_pred.float() - target).pow(2).flatten(1).mean(dim=1)
-    metrics.setdefault("sft_loss", []).extend(per_pair.detach().cpu().tolist())
+    metrics.setdefault("sft_loss", []).append(per_pair.detach())
     return per_pair.sum()

@@ -65,7 +65,7 @@ class TrainContext:
     microbatch_id: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    metrics: dict[str, list[float]] | None = None
+    metrics: dict[str, list[float | torch.Tensor]] | None = None
 
     def predict_velocity(
         self, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]

@@ -22,6 +22,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
 )
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import shard_model
+from miles.backends.fsdp_utils.trainer import host_values
 from miles.models import ModelFamily, TrueCFG, get_model_family
 from miles.utils.sampling import forward_process
 from miles.utils.types import DenoisingEnv, Sample, TrainPair
@@ -198,7 +199,7 @@ def _generator_step(family, pipeline, scores, gen_weight, **overrides):
     metrics = {}
     loss = dmd2_hub.dmd2_loss_formula(ctx, pairs, prepared, new_pred=new_pred, metrics=metrics)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}, metrics
+    return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}, host_values(metrics)
 
 
 def test_with_gan_weight_zero_the_actor_update_is_phase_one_bit_for_bit(tmp_path):
@@ -225,6 +226,7 @@ def test_the_gan_gradient_enters_the_surrogate_with_the_reference_scaling(tmp_pa
     v = ctx.predict_velocity(student, prepared.latents, prepared.timestep, prepared.cond).detach().requires_grad_(True)
     metrics = {}
     loss = dmd2_hub.dmd2_loss_formula(ctx, pairs, prepared, new_pred=v, metrics=metrics)
+    metrics = host_values(metrics)
     (grad_v,) = torch.autograd.grad(loss, v)
     x0 = prepared.latents - 0.75 * v.detach()
     normalizer = (x0 - scores["x0_real"]).abs().mean(dim=(1, 2, 3), keepdim=True)
@@ -266,6 +268,7 @@ def test_the_critic_gan_batch_runs_sft_fakes_and_reals_in_one_forward(tmp_path):
     new_pred = ctx.predict_velocity(critic, prepared.latents, prepared.timestep, prepared.cond)
     metrics = {}
     loss = dmd2_hub.critic_gan_loss(ctx, pairs, prepared, new_pred=new_pred, metrics=metrics)
+    metrics = host_values(metrics)
     sft_sum = (new_pred[:4] - sft.target).pow(2).flatten(1).mean(dim=1).sum()
     disc = torch.tensor(metrics["gan_disc_loss"]).sum()
     torch.testing.assert_close(loss, sft_sum + 1e-2 * disc, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
     build_discriminator,
     mismatched_rows,
 )
+from miles.backends.fsdp_utils.trainer import host_values
 from miles.models import get_model_family
 from miles.utils.misc import make_generator
 from miles.utils.sampling import forward_process
@@ -147,6 +148,7 @@ def test_the_critic_batch_adds_mismatched_and_perturbed_reals_and_the_loss_weigh
     new_pred = ctx.predict_velocity(critic, prepared.latents, prepared.timestep, prepared.cond)
     metrics = {}
     loss = dmd2_hub.critic_gan_loss(ctx, pairs, prepared, new_pred=new_pred, metrics=metrics)
+    metrics = host_values(metrics)  # the trainer's one read of a window's figures
     logits = head([f[4:] for f in head.tap.features], pooled[4:]).detach()
     fake_l, real_l, mismatch_l, r1_l = logits.split(4)
     sft = (new_pred[:4] - prepared.target).pow(2).flatten(1).mean(dim=1).detach()

@@ -13,6 +13,7 @@ import torch
 from miles.backends.fsdp_utils.loss_hub.dmd2 import dmd2_loss_formula, prepare_generator_batch
 from miles.backends.fsdp_utils.loss_hub.reward import reward_gradient
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.trainer import host_values
 from miles.eval.digits.data import load_split, prompt_for_label
 from miles.eval.digits.reward import digit_log_prob, label_of_prompt, load_reward_classifier
 from miles.models.digits import DigitsFamily
@@ -91,7 +92,7 @@ def _actor_step(weight: float, reward_scores=None):
     metrics: dict[str, list[float]] = {}
     loss = dmd2_loss_formula(ctx, pairs, batch, new_pred=v, metrics=metrics)
     loss.backward()
-    return loss.detach(), v.grad, metrics, batch
+    return loss.detach(), v.grad, host_values(metrics), batch
 
 
 def test_the_actors_x0_gradient_is_the_dm_gradient_minus_w_times_the_reward_gradient():
