@@ -69,3 +69,14 @@ def test_one_group_is_awake_whenever_a_group_computes(run):
     perf = [record for record in read_metrics(run["out"]) if "perf/step_time" in record]
     assert [record["rollout_id"] for record in perf] == [0, 1]
     assert all(record["perf/sleep_wake_time"] >= 0 and "perf/critic-wake_time" in record for record in perf)
+
+
+def test_the_actor_group_sleeps_with_the_text_encoders_it_loaded(run):
+    """No prompt cache: the actor ranks load the tiny SD3's two CLIP encoders at their first rollout, and the group's
+    sleep controller moves them with its own state from then on (issue 30 item 9); the critic encodes nothing."""
+    actor = [event for event in run["events"] if event["role"] == "actor"]
+    critic = [event for event in run["events"] if event["role"] == "critic"]
+    assert actor[0]["event"] == "init" and actor[0]["modules"] == 1  # the student
+    sleeps = [event["modules"] for event in actor if event["event"] == "sleep"]
+    assert len(sleeps) >= 2 and set(sleeps) == {3}
+    assert {event["modules"] for event in critic} == {2}  # the critic and the teacher

@@ -160,6 +160,8 @@ class FSDPTrainRayActor:
                 collectives=self.collectives,
                 group=self.role,
                 inference=self.trainer.inference,
+                # The text encoders (no prompt cache) sleep and wake with the group's own state.
+                on_text_encoder=self.trainer.sleeper.register,
             )
         return self._generator
 

@@ -66,6 +66,15 @@ class SleepController:
         self.offload_device = torch.device(offload_device)
         self.state = AWAKE
 
+    def register(self, modules: list[nn.Module]) -> None:
+        """Move ``modules`` with the group from now on: the text encoders an actor rank loads at its first rollout
+        (:class:`~miles.rollout.conditioning.PromptConditioner`). Registered while asleep, they leave the device now.
+        """
+        self.models = [*self.models, *modules]
+        if self.asleep and self.device != self.offload_device:
+            for module in modules:
+                module.to(self.offload_device)
+
     @property
     def asleep(self) -> bool:
         return self.state == ASLEEP
