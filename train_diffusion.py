@@ -44,32 +44,56 @@ def _timer(perf: dict[str, float], key: str):
 
 
 class DeviceTurns:
-    """Colocated trainer groups take turns on their devices: with ``enabled`` (GPUs shared by several groups) only
-    the group whose turn it is stays awake; the others sleep (their state on the CPU)."""
+    """Colocated trainer groups take turns on their devices: with ``enabled`` (GPUs shared by several groups) one
+    group at a time holds its state on the device and the others sleep (their state on the CPU), as the memory plan
+    assumes. Off (the CPU, or a group alone on its GPU), nothing sleeps.
+
+    Every call of a group that computes on the device (generate, train, its train-output hook alone, save, evaluate,
+    update_weights, export: :class:`~miles.ray.actor_group.RayTrainGroup`) first asks :meth:`hand_to` for its turn,
+    so a save, an evaluation or the DMD2 debug grid never wakes a group beside another; a group never wakes itself.
+    """
 
     def __init__(self, groups: dict, enabled: bool) -> None:
         self.groups, self.enabled, self.awake = groups, enabled, None
+        self.perf: dict[str, float] = {}
         if enabled:
-            # The actor generates first: everyone else starts asleep.
+            for group in groups.values():
+                group.take_turns(self)
+            # The actor generates first: everyone else sleeps. A group may already sleep (both calls are no-ops then).
             for role, group in groups.items():
                 if role != "actor":
                     group.get(group.async_sleep(), "sleep")
+            actor = groups["actor"]
+            actor.get(actor.async_wake_up(), "wake_up")
             self.awake = "actor"
 
-    def hand_to(self, role: str, perf: dict[str, float]) -> None:
-        """Put the awake group to sleep and wake ``role`` (no-op when it is awake or turns are off)."""
+    def hand_to(self, role: str) -> None:
+        """Put the awake group to sleep, then wake ``role`` (no-op when it is awake or turns are off); the seconds
+        add to :attr:`perf`."""
         if not self.enabled or self.awake == role:
             return
-        with _timer(perf, "perf/sleep_wake_time"):
+        with _timer(self.perf, "perf/sleep_wake_time"):
             if self.awake is not None:
                 asleep = self.groups[self.awake]
-                perf[f"perf/{self.awake}-sleep_time"] = max(asleep.get(asleep.async_sleep(), "sleep"))
+                self._add(f"perf/{self.awake}-sleep_time", asleep.get(asleep.async_sleep(), "sleep"))
+            self.awake = None  # until the wake below returns, no group holds the device
             group = self.groups[role]
-            perf[f"perf/{role}-wake_time"] = max(group.get(group.async_wake_up(), "wake_up"))
+            self._add(f"perf/{role}-wake_time", group.get(group.async_wake_up(), "wake_up"))
         self.awake = role
 
+    def _add(self, key: str, seconds_per_rank: list[float]) -> None:
+        self.perf[key] = self.perf.get(key, 0.0) + max(seconds_per_rank)
 
-def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id: int, tracker) -> None:
+    def take_perf(self) -> dict[str, float]:
+        """The hand-overs' seconds since the last call: ``perf/sleep_wake_time`` on the driver's clock,
+        ``perf/<role>-sleep_time`` and ``perf/<role>-wake_time`` inside the slowest rank; ``{}`` when none."""
+        perf, self.perf = self.perf, {}
+        return perf
+
+
+def run_rollouts(
+    args, rollout_manager, groups: dict, engines, start_rollout_id: int, tracker, turns: DeviceTurns | None = None
+) -> None:
     """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, save, evaluate.
 
     Args:
@@ -77,16 +101,18 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
         groups: ``{role: RayTrainGroup}`` in training order.
         engines: the ``--rollout-num-gpus`` ``EngineGroup``, or None when the actor ranks generate.
         tracker: the driver's ``MetricsTracker``: every train, perf and eval figure of the run.
+        turns: the groups' :class:`DeviceTurns`; default: made here (:func:`device_turns`).
     """
     from miles.driver.console import RolloutProgress
     from miles.driver.evaluation import maybe_evaluate
-    from miles.driver.schedule import needs_sleep, should_save
+    from miles.driver.schedule import should_save
     from miles.ray.errors import get_all
-    from miles.ray.placement_group import use_gpu_bundles
     from miles.utils.health import alarms
 
     actor = groups["actor"]
-    turns = DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
+    # Each group's call below takes its turn on the device first (DeviceTurns.hand_to), save and evaluation included.
+    if turns is None:
+        turns = device_turns(groups)
     progress = RolloutProgress(args, start_rollout_id)
     alarmed: set[str] = set()  # health figures outside their threshold, warned about once until they recover
     try:
@@ -102,13 +128,11 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
                     runs = get_all(refs, [f"engine replica {i}" for i in range(len(refs))], "generate", rollout_id)
                     results = [result for run in runs for result in run]
                 else:
-                    turns.hand_to("actor", perf)
                     results = actor.get(actor.async_generate(rollout_id, shards), "generate", rollout_id)
             pairs = [result.pairs for result in results]
             perf.update(results[0].perf)
             outs, step_metrics = {}, {}
             for role, group in groups.items():
-                turns.hand_to(role, perf)
                 with _timer(perf, f"perf/{role}_train_time"):
                     # Earlier groups' boxes only: the payloads stay in the object store until rank i unboxes them.
                     trained = group.get(
@@ -135,12 +159,21 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
                 eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
             if eval_metrics:
                 progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
+            perf.update(turns.take_perf())
             perf["perf/step_time"] = time.perf_counter() - step_start
             tracker.log(perf, rollout_id)
             progress.update(rollout_id, {**step_metrics, **perf})
     finally:
         # A failure's one line must start on a line of its own, not after the bar.
         progress.close()
+
+
+def device_turns(groups: dict) -> DeviceTurns:
+    """The groups' :class:`DeviceTurns`: on when several groups share GPUs (:func:`miles.driver.schedule.needs_sleep`)."""
+    from miles.driver.schedule import needs_sleep
+    from miles.ray.placement_group import use_gpu_bundles
+
+    return DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
 
 
 def group_dirs(args, name: str) -> list[str]:
@@ -164,8 +197,9 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run
     from miles.ray.errors import get_all
 
     (data_state,) = get_all([rollout_manager.state_dict.remote()], "rollout manager", "state_dict", rollout_id)
-    # One group at a time: a sleeping group wakes onto the shared device to save.
-    for role, group in groups.items():
+    # One group at a time: with turns on, each group's save first puts the awake one to sleep (DeviceTurns). The
+    # last group to train is the one awake after a rollout: it saves first, which spares one hand-over.
+    for role, group in reversed(groups.items()):
         if group.args.save:  # a frozen group (the DMD2 reward group) has nothing to save
             group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
     dirs = group_dirs(args, "save")
@@ -234,6 +268,9 @@ def train(args) -> None:
         if engines is not None:
             started += [("actor", engine) for engine in engines.engines]
         log_groups_ready(groups, engines, time.perf_counter() - start_time)
+        # From here every call that computes on a shared GPU hands it over first: the weight push below, the
+        # rollouts, saves, evaluations and the export.
+        turns = device_turns(groups)
         actor = groups["actor"]
         start = actor.start_rollout_id
         record = None
@@ -249,7 +286,7 @@ def train(args) -> None:
             actor.get(actor.async_update_weights(engines.engines), "update_weights")
         # A resumed run continues the wandb run whose id its checkpoint kept.
         tracker = MetricsTracker(args, job="driver", wandb_run_id=(record or {}).get("wandb_run_id"))
-        run_rollouts(args, rollout_manager, groups, engines, start, tracker)
+        run_rollouts(args, rollout_manager, groups, engines, start, tracker, turns)
         if args.save_hf:
             # Checked again now (the directory may have appeared during the training), and by the writing rank
             # right before it renames the export into place.

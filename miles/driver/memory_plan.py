@@ -34,7 +34,13 @@ The peak of a group is its largest phase: the train window (everything above plu
 train state and the activations) or an inference phase. Groups share each GPU one at a time (the others sleep in
 host memory), so a GPU must hold the largest group's peak; a rank fits when that peak is at most
 ``(1 − HEADROOM)`` of the GPU, the rest left for the CUDA context, NCCL buffers, allocator fragmentation and the
-estimates' error. Not counted: the rollout engine's text encoder (use the prompt cache), the VAE, eval sampling.
+estimates' error.
+
+Text encoders: without a prompt cache for every prompt the actor ranks encode (and for the negative prompt), each
+actor rank loads the family's text encoders whole, in the compute dtype, and keeps them with the actor group's state
+(asleep with it): :func:`text_encoder_memory` counts their weights from the safetensors headers, and the actor's
+peak with them must fit too (:func:`check_text_encoders_fit`, or encode the prompts once with ``python -m
+miles.rollout.prompt_cache``). Not counted: the VAE, eval sampling.
 
 Start-up (estimated), per group in training order: the groups initialise one after the other, each built on the
 meta device, sharded, then read from its files one tensor at a time, each rank its own rows
@@ -54,8 +60,10 @@ in pageable memory.
 
 import logging
 import math
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -77,6 +85,8 @@ __all__ = [
     "GroupSpec",
     "LoraSpec",
     "PlanSetting",
+    "TextEncoderMemory",
+    "check_text_encoders_fit",
     "fit_line",
     "format_bytes",
     "gpu_memory_bytes",
@@ -87,6 +97,8 @@ __all__ = [
     "plan_group",
     "plan_run",
     "startup_table",
+    "text_encoder_line",
+    "text_encoder_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -501,3 +513,133 @@ def log_memory_plan(args) -> None:
     host = host_memory_line(plans, args.actor_num_gpus_per_node)
     if host is not None:
         logger.info("%s", host)
+    try:
+        encoders = text_encoder_memory(args)
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        logger.warning("memory plan: text encoders not counted (%s: %s)", type(exc).__name__, exc)
+        return
+    if encoders is not None:
+        logger.info("%s", text_encoder_line(encoders, plans, gpu_memory_bytes(args)))
+
+
+@dataclass(frozen=True)
+class TextEncoderMemory:
+    """The text encoders one actor rank holds when it encodes prompts at run time.
+
+    Attributes:
+        reason: why they load (the first prompt without a cached cond, or the negative prompt).
+        numel: their parameters (from the safetensors headers of the family's ``text_encoder_dirs``).
+        bytes: what they hold on the GPU: ``numel`` in the compute dtype, whole on every actor rank (not sharded).
+        dtype: the compute dtype they load in (``--train-dtype``).
+    """
+
+    reason: str
+    numel: int
+    bytes: int
+    dtype: torch.dtype
+
+
+def _encoded_at_run_time(args) -> str | None:
+    """Why the actor ranks load the text encoders: the first record (of the files whose prompts they encode) without a
+    cached cond under ``--cond-key``, or a negative prompt without ``--negative-cond``; None when the prompt cache
+    covers everything."""
+    from miles.methods import get_method
+    from miles.rollout.data_source import read_jsonl_records
+
+    files = [("--prompt-data", args.prompt_data)]
+    if args.eval_interval and args.eval_prompt_data:
+        files.append(("--eval-prompt-data", args.eval_prompt_data))
+    files += [(side.flag, side.path) for side in get_method(args).side_inputs(args)]
+    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)  # a DMD2 flag, read at evaluations only
+    if args.eval_interval and eval_real_data:
+        files.append(("--dmd2-gan-eval-real-data", eval_real_data))
+    for flag, path in files:
+        for number, record in enumerate(read_jsonl_records(path, args.input_key, flag), start=1):
+            if not isinstance(record.get(args.cond_key), str):
+                return f"{flag} record {number} has no cached cond under --cond-key {args.cond_key!r}"
+    if (args.encode_negative_prompt or args.diffusion_guidance_scale != 1.0) and not args.negative_cond:
+        return "the negative prompt is encoded (no --negative-cond)"
+    return None
+
+
+def text_encoder_memory(args) -> TextEncoderMemory | None:
+    """The text encoders each actor rank loads (:class:`TextEncoderMemory`), or None when a prompt cache covers every
+    prompt it encodes and the negative prompt.
+
+    Raises:
+        OSError, ValueError: for an unreadable data file, or a text encoder folder without safetensors weights.
+        RuntimeError: for a family whose text encoder package is missing (digits).
+    """
+    from miles.backends.fsdp_utils.model import resolve_dtype
+    from miles.driver.preflight_models import safetensors_header
+    from miles.models import get_model_family
+
+    reason = _encoded_at_run_time(args)
+    if reason is None:
+        return None
+    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
+    numel = 0
+    for folder in family.text_encoder_dirs(args.hf_checkpoint):
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"text encoder folder {folder} holds no .safetensors weights to count")
+        for file in files:
+            header = safetensors_header(file)
+            numel += sum(math.prod(info["shape"]) for key, info in header.items() if key != "__metadata__")
+    dtype = resolve_dtype(args.train_dtype)
+    return TextEncoderMemory(reason=reason, numel=numel, bytes=numel * dtype.itemsize, dtype=dtype)
+
+
+def _actor_peak(plans: list[GroupMemory]) -> GroupMemory:
+    return next(plan for plan in plans if plan.role == "actor")
+
+
+def text_encoder_line(encoders: TextEncoderMemory, plans: list[GroupMemory], gpu_bytes: float | None) -> str:
+    """The plan's text-encoder figure on one line: their size per actor rank, why they load, the actor's peak with
+    them and, with ``gpu_bytes``, whether it fits."""
+    dtype = str(encoders.dtype).removeprefix("torch.")
+    peak = _actor_peak(plans).peak + encoders.bytes
+    line = (
+        f"text encoders: {format_count(encoders.numel)} parameters, {format_bytes(encoders.bytes)} per actor rank in "
+        f"{dtype} ({encoders.reason}), asleep with the actor group; actor peak with them {format_bytes(peak)}"
+    )
+    if gpu_bytes is not None:
+        line += (
+            f": {'fits' if peak <= (1 - HEADROOM) * gpu_bytes else 'does NOT fit'} a GPU of {format_bytes(gpu_bytes)}"
+        )
+    return line
+
+
+def check_text_encoders_fit(args) -> None:
+    """With ``--gpu-memory-gb``: refuse a run whose actor group fits the GPU without its text encoders but not with
+    them, naming the prompt-cache command that takes them off the GPU. A plan that cannot be made refuses nothing.
+
+    Raises:
+        ArgumentValidationError: one line: the encoders' size, the peaks, and the command.
+    """
+    from miles.utils.validation import reject
+
+    if args.gpu_memory_gb is None:
+        return
+    try:
+        encoders = text_encoder_memory(args)
+        if encoders is None:
+            return
+        _, plans = plan_run(args)
+    # The dry run's plan warns about what it cannot count; this check then has nothing to say.
+    except (AttributeError, NotImplementedError, OSError, RuntimeError, KeyError, ValueError):
+        return
+    budget = (1 - HEADROOM) * args.gpu_memory_gb * GIB
+    actor = _actor_peak(plans)
+    if actor.peak > budget or actor.peak + encoders.bytes <= budget:
+        return  # fits with them, or does not fit even without them (the plan's own verdict says so)
+    dtype = str(encoders.dtype).removeprefix("torch.")
+    negative = f" --negative-prompt {shlex.quote(args.negative_prompt)}" if args.negative_prompt else ""
+    reject(
+        f"the text encoders ({format_bytes(encoders.bytes)} in {dtype} on every actor rank: {encoders.reason}) do not "
+        f"fit beside the actor group on a GPU of {format_bytes(args.gpu_memory_gb * GIB)} (--gpu-memory-gb): its peak "
+        f"is {format_bytes(actor.peak + encoders.bytes)} with them, {format_bytes(actor.peak)} without, the plan "
+        f"keeps {HEADROOM:.0%} free; encode the prompts once instead: python -m miles.rollout.prompt_cache "
+        f"{args.hf_checkpoint} {args.prompt_data} CACHE_DIR{negative}, then train with --prompt-data CACHE_DIR/prompts.jsonl "
+        "--negative-cond CACHE_DIR/negative.safetensors (docs/sd3.md)"
+    )

@@ -147,7 +147,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
       ``--train-only`` every record has an image under ``--image-key`` (images written into the JSONL are loaded
       and must fit the model's latent shape); the image, latent and cached cond files the records name exist, and
       stored latents have the model's shape (``preflight_data``); ``--negative-cond`` is a readable safetensors
-      file; the method's own checks of its inputs (``Method.check_inputs``);
+      file; the method's own checks of its inputs (``Method.check_inputs``); with ``--gpu-memory-gb``, text
+      encoders that would not fit beside the actor group (no prompt cache) refuse the run, naming the prompt-cache
+      command (``memory_plan.check_text_encoders_fit``);
     - with ``check_paths``: every output directory takes files, holds no other run's checkpoints unless resumed or
       ``--overwrite-save``, and has room for a checkpoint (``preflight_outputs``; a warning when the run's
       checkpoints may not fit).
@@ -230,6 +232,9 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     get_method(args).check_inputs(args)
+    from miles.driver.memory_plan import check_text_encoders_fit
+
+    check_text_encoders_fit(args)
     preflight_outputs.check_writable(args)
     preflight_outputs.check_save_dirs(args)
     preflight_outputs.check_disk_space(args)

@@ -29,18 +29,27 @@ __all__ = [
     "ModelFamily",
     "denoiser_weight_index",
     "PromptEncoder",
+    "TEXT_ENCODER_COMPONENTS",
     "encode_one_prompt",
+    "place_text_encoders",
     "read_json",
     "read_scheduler_config",
+    "text_encoder_modules",
 ]
 
 # The denoiser's component name: its folder in a diffusers pipeline directory, its key among a trainer group's
 # trainable modules (TrainContext.models, PreparedBatch.component, checkpoints) and among the frozen teacher's.
 DENOISER = "transformer"
+# A diffusers pipeline's text encoders, by component name (SD3 holds three, FLUX.1 two, the others one).
+TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class PromptEncoder(Protocol):
-    """A loaded text encoder. ``encode`` is deterministic (eval mode, no dropout)."""
+    """A loaded text encoder. ``encode`` is deterministic (eval mode, no dropout).
+
+    An encoder whose models sit on a training device lists them as ``text_modules`` (``list[nn.Module]``): they sleep
+    with the trainer group that encodes (:func:`text_encoder_modules`). An encoder without it holds nothing to move.
+    """
 
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(hidden, pooled)``: float32 ``(B, L, D)`` token states and float32 ``(B, P)`` pooled states."""
@@ -181,8 +190,21 @@ class ModelFamily(Protocol):
         return model.eval()
 
     @abstractmethod
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> Any:
-        """The pipeline's text encoder(s) in eval mode: whatever :meth:`encode_prompts` takes."""
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> Any:
+        """The pipeline's text encoder(s) in eval mode on ``device``, their weights in ``dtype`` (a trainer loads them
+        in its compute dtype, ``--train-dtype``): whatever :meth:`encode_prompts` takes."""
+
+    def text_encoder_dirs(self, path: str | Path) -> list[Path]:
+        """The folders of the weights :meth:`load_text_encoder` loads (the memory planner counts their safetensors).
+        Default: the pipeline's components of :data:`TEXT_ENCODER_COMPONENTS` that ``model_index.json`` lists."""
+        index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
+        return [
+            Path(path) / name
+            for name in TEXT_ENCODER_COMPONENTS
+            if isinstance(index.get(name), list) and index[name][0] is not None
+        ]
 
     @abstractmethod
     def encode_prompts(self, encoder: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -297,6 +319,18 @@ class ModelFamily(Protocol):
             OSError / ValueError: when a config file the figures come from is missing or unreadable.
         """
         return {"latent shape": tuple(self.latent_shape(path))}
+
+
+def place_text_encoders(pipe: Any, device: str | torch.device) -> list[nn.Module]:
+    """Move the text encoders a diffusers pipeline object holds (:data:`TEXT_ENCODER_COMPONENTS`) to ``device`` in
+    eval mode; returns them in order (a prompt encoder's ``text_modules``)."""
+    modules = [getattr(pipe, name, None) for name in TEXT_ENCODER_COMPONENTS]
+    return [module.to(device).eval() for module in modules if module is not None]
+
+
+def text_encoder_modules(encoder: Any) -> list[nn.Module]:
+    """The torch modules a loaded prompt encoder holds on its device (its ``text_modules``; none if it lists none)."""
+    return list(getattr(encoder, "text_modules", ()))
 
 
 def encode_one_prompt(family: ModelFamily, encoder: PromptEncoder, prompt: str) -> dict[str, torch.Tensor]:

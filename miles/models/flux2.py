@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import sigmas_call_scheduler_config
@@ -79,16 +79,19 @@ class Flux2PromptEncoder:
     Args:
         path: the pipeline directory.
         device: where the text encoder runs.
+        dtype: the text encoder's weights.
     """
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         from accelerate import init_empty_weights
         from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
         with init_empty_weights():
             meta = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(Path(path) / DENOISER))
-        self.pipe = Flux2KleinPipeline.from_pretrained(path, transformer=meta, vae=None)
-        self.pipe.text_encoder.to(device).eval()
+        self.pipe = Flux2KleinPipeline.from_pretrained(path, transformer=meta, vae=None, torch_dtype=dtype)
+        self.text_modules = place_text_encoders(self.pipe, device)
         self.device = torch.device(device)
 
     @torch.no_grad()
@@ -132,8 +135,10 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         self._config(path)
         return Flux2Transformer2DModel.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> Flux2PromptEncoder:
-        return Flux2PromptEncoder(path, device=device)
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> Flux2PromptEncoder:
+        return Flux2PromptEncoder(path, device=device, dtype=dtype)
 
     def encode_prompts(self, encoder: Flux2PromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"encoder_hidden_states": (B, 512, D)}``, float32 on the CPU.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.models.base import place_text_encoders
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
 from miles.models.registry import register_family
@@ -59,13 +60,20 @@ class QwenImagePromptEncoder:
         path: the pipeline directory.
         device: where the text encoder runs.
         max_sequence_length: prompt states kept after the template header (the call's 512).
+        dtype: the text encoder's weights (Qwen2.5-VL-7B: 33 GB in float32, half in bfloat16).
     """
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", max_sequence_length: int = TEXT_TOKENS):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        max_sequence_length: int = TEXT_TOKENS,
+        dtype: torch.dtype = torch.float32,
+    ):
         from diffusers import QwenImagePipeline
 
-        self.pipe = QwenImagePipeline.from_pretrained(path, transformer=None, vae=None)
-        self.pipe.text_encoder.to(device).eval()
+        self.pipe = QwenImagePipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype)
+        self.text_modules = place_text_encoders(self.pipe, device)
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
 
@@ -164,8 +172,10 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
         super().__init__(pipeline_path)
         self._vae = None
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> QwenImagePromptEncoder:
-        return QwenImagePromptEncoder(path, device=device)
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> QwenImagePromptEncoder:
+        return QwenImagePromptEncoder(path, device=device, dtype=dtype)
 
     def encode_prompts(self, encoder: QwenImagePromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"encoder_hidden_states": (B, 512, D), "encoder_hidden_states_mask": (B, 512)}``, float32 on the CPU.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 
@@ -50,9 +50,16 @@ class SD3PromptEncoder:
         path: the pipeline directory.
         device: where the text encoders run.
         max_sequence_length: T5 token count (256 in diffusers' pipeline).
+        dtype: the text encoders' weights (SD3.5's T5-XXL and two CLIPs: 22 GB in float32, half in bfloat16).
     """
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", max_sequence_length: int = 256) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        max_sequence_length: int = 256,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         from accelerate import init_empty_weights
         from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -66,11 +73,10 @@ class SD3PromptEncoder:
         }
         with init_empty_weights():
             meta_transformer = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(path / DENOISER))
-        self.pipe = StableDiffusion3Pipeline.from_pretrained(path, transformer=meta_transformer, vae=None, **absent)
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            module = getattr(self.pipe, name, None)
-            if module is not None:
-                module.to(device).eval()
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(
+            path, transformer=meta_transformer, vae=None, torch_dtype=dtype, **absent
+        )
+        self.text_modules = place_text_encoders(self.pipe, device)
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
 
@@ -153,8 +159,10 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiableP
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         return load_sd3_transformer(path, dtype)
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> SD3PromptEncoder:
-        return SD3PromptEncoder(path, device=device)
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> SD3PromptEncoder:
+        return SD3PromptEncoder(path, device=device, dtype=dtype)
 
     def encode_prompts(self, encoder: SD3PromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``, float32 on the CPU.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import terminal_scheduler_config
@@ -64,17 +64,20 @@ class WanPromptEncoder:
     Args:
         path: the pipeline directory.
         device: where the text encoder runs.
+        dtype: the text encoder's weights.
     """
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         from accelerate import init_empty_weights
         from diffusers import WanPipeline, WanTransformer3DModel
 
         with init_empty_weights():
             meta = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(Path(path) / DENOISER))
         absent = {"transformer_2": None} if not _is_component(_model_index(path).get("transformer_2")) else {}
-        self.pipe = WanPipeline.from_pretrained(path, transformer=meta, vae=None, **absent)
-        self.pipe.text_encoder.to(device).eval()
+        self.pipe = WanPipeline.from_pretrained(path, transformer=meta, vae=None, torch_dtype=dtype, **absent)
+        self.text_modules = place_text_encoders(self.pipe, device)
         self.device = torch.device(device)
 
     @torch.no_grad()
@@ -125,8 +128,10 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         self._config(path)
         return WanTransformer3DModel.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
 
-    def load_text_encoder(self, path: str | Path, device: str | torch.device = "cpu") -> WanPromptEncoder:
-        return WanPromptEncoder(path, device=device)
+    def load_text_encoder(
+        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> WanPromptEncoder:
+        return WanPromptEncoder(path, device=device, dtype=dtype)
 
     def encode_prompts(self, encoder: WanPromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"encoder_hidden_states": (B, 512, text_dim)}``, float32 on the CPU.

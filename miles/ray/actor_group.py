@@ -89,6 +89,8 @@ class RayTrainGroup:
         self.num_threads = num_threads
         # Set by create_training_models from async_init: 0, or the loaded checkpoint's rollout + 1.
         self.start_rollout_id = 0
+        # The driver's DeviceTurns while colocated groups take turns on their GPUs (take_turns), else None.
+        self.turns = None
         placement_group, bundle_indices = pg
         if len(bundle_indices) < self.world_size:
             raise ValueError(
@@ -138,6 +140,17 @@ class RayTrainGroup:
             for rank, actor in enumerate(self.actors)
         ]
 
+    def take_turns(self, turns: Any) -> None:
+        """From now on every call of this group that computes on the device (generate, evaluate, train,
+        train_output, save, update_weights, export, the full state dict) first calls ``turns.hand_to(role)`` (the
+        driver's ``DeviceTurns``): the group awake so far sleeps and this one wakes, so that a shared GPU holds one
+        group at a time whoever calls (the driver's loop, an evaluation, a method's debug grid)."""
+        self.turns = turns
+
+    def _take_turn(self) -> None:
+        if self.turns is not None:
+            self.turns.hand_to(self.role)
+
     def _check_per_rank(self, what: str, values: list) -> None:
         if len(values) != self.world_size:
             raise ValueError(f"{self.role} group has {self.world_size} ranks but got {len(values)} {what}")
@@ -145,10 +158,12 @@ class RayTrainGroup:
     def async_generate(self, rollout_id: int, shard_boxes: list[Box]) -> list[ray.ObjectRef]:
         """Rank i generates and converts ``shard_boxes[i]``; each ref resolves to its ``RolloutResult``."""
         self._check_per_rank("prompt shards", shard_boxes)
+        self._take_turn()
         return [actor.generate.remote(rollout_id, box) for actor, box in zip(self.actors, shard_boxes)]
 
     def evaluate(self, shard: PromptShard, **kwargs: Any) -> torch.Tensor:
         """Sample ``shard`` with the student, split over the ranks: uint8 images ``(B, H, W, C)`` in order."""
+        self._take_turn()
         return evaluate_on(self.actors, shard, **kwargs)
 
     def async_train(
@@ -171,6 +186,7 @@ class RayTrainGroup:
         self._check_per_rank("train-pair shards", pairs_boxes)
         for role, boxes in external_data.items():
             self._check_per_rank(f"outputs of group {role!r}", boxes)
+        self._take_turn()
         return [
             actor.train.remote(
                 rollout_id, pairs_boxes[rank], {role: boxes[rank] for role, boxes in external_data.items()}
@@ -181,10 +197,12 @@ class RayTrainGroup:
     def async_train_output(self, rollout_id: int | str, pairs_boxes: list[Box]) -> list[ray.ObjectRef]:
         """Run only the train-output hook of every rank on its pairs (no training); refs of ``Box(output)``."""
         self._check_per_rank("train-pair shards", pairs_boxes)
+        self._take_turn()
         return [actor.train_output.remote(rollout_id, box) for actor, box in zip(self.actors, pairs_boxes)]
 
     def async_save(self, rollout_id: int, data_state: Any = None) -> list[ray.ObjectRef]:
         """Checkpoint every rank after ``rollout_id``; ``data_state`` is the driver's data cursor."""
+        self._take_turn()
         return [actor.save.remote(rollout_id, data_state) for actor in self.actors]
 
     def async_sleep(self) -> list[ray.ObjectRef]:
@@ -197,6 +215,7 @@ class RayTrainGroup:
 
     def async_update_weights(self, engines: list) -> list[ray.ObjectRef]:
         """Push the gathered weights to the dedicated engine replicas (rank 0 sends; all ranks gather)."""
+        self._take_turn()
         return [actor.update_weights.remote(engines) for actor in self.actors]
 
     def async_export_hf(
@@ -205,10 +224,12 @@ class RayTrainGroup:
         """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes), checked
         against ``run_paths`` (every directory the run reads or writes) right before it writes; ``schedule`` None
         keeps the source's scheduler."""
+        self._take_turn()
         return [actor.export_hf.remote(out_dir, schedule, run_paths) for actor in self.actors]
 
     def async_get_full_state_dict(self) -> list[ray.ObjectRef]:
         """Every rank joins the gather; rank 0's ref holds the unsharded state dict, the others ``{}``."""
+        self._take_turn()
         return [actor.get_full_state_dict.remote() for actor in self.actors]
 
     def async_sleep_state(self) -> list[ray.ObjectRef]:

@@ -12,16 +12,20 @@ and the file holds the family's cond kwargs for that prompt without a batch dime
 miles.rollout.prompt_cache`` writes such a cache for any family.
 
 Records without a cached cond are encoded by the family's text encoder, loaded on first use in the process that
-needs it (each DP rank encodes its own shard).
+needs it (each DP rank encodes its own shard), in the trainer's compute dtype, and handed to the group's sleep
+controller: it then sleeps and wakes with the actor group's own state. ``--dry-run`` counts it in the memory plan
+(:func:`miles.driver.memory_plan.text_encoder_memory`).
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from miles.models.base import encode_one_prompt
+from miles.models.base import encode_one_prompt, text_encoder_modules
 
 __all__ = ["PromptConditioner", "load_cond_file"]
 
@@ -59,22 +63,39 @@ class PromptConditioner:
         family: the pipeline's model family (``load_text_encoder``, ``encode_prompts``).
         pipeline_path: the pipeline whose text encoder encodes uncached prompts.
         device: where the text encoder runs.
+        dtype: its weights' dtype (a trainer's compute dtype, ``--train-dtype``); the cond it returns is float32
+            whatever it is.
+        on_load: called once with the encoder's torch modules when it loads (an actor rank registers them with its
+            group's sleep controller, so that they leave the GPU when the group sleeps).
     """
 
-    def __init__(self, args: Any, family: Any, pipeline_path: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        args: Any,
+        family: Any,
+        pipeline_path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        on_load: Callable[[list[nn.Module]], None] | None = None,
+    ) -> None:
         self.args = args
         self.family = family
         self.pipeline_path = pipeline_path
         self.device = device
+        self.dtype = dtype
+        self.on_load = on_load
         self.cond_key = args.cond_key
         self._encoder = None
         self._negative: dict[str, torch.Tensor] | None = None
 
     @property
     def encoder(self):
-        """The family's text encoder, loaded on first use."""
+        """The family's text encoder in ``dtype`` on ``device``, loaded on first use."""
         if self._encoder is None:
-            self._encoder = self.family.load_text_encoder(self.pipeline_path, device=self.device)
+            self._encoder = self.family.load_text_encoder(self.pipeline_path, device=self.device, dtype=self.dtype)
+            logger.debug("loaded the %s text encoder on %s in %s", self.family.name, self.device, self.dtype)
+            if self.on_load is not None:
+                self.on_load(text_encoder_modules(self._encoder))
         return self._encoder
 
     def cond(self, prompts: list[str], records: list[dict], base_dir: str | Path = ".") -> dict[str, torch.Tensor]:

@@ -47,6 +47,8 @@ class RolloutGenerator:
         group: the group's name in errors (``"actor"``).
         inference: a context factory every sampling pass runs in (the actor's: eval mode, no grad, the compute
             dtype, resharded after); default none.
+        on_text_encoder: called with the text encoder's modules when it loads (the actor's: its group's sleep
+            controller keeps them, :meth:`~miles.backends.fsdp_utils.sleep.SleepController.register`); default none.
 
     Raises:
         ValueError: on a converter path that does not import.
@@ -62,19 +64,30 @@ class RolloutGenerator:
         collectives: Collectives,
         group: str = "actor",
         inference: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        on_text_encoder: Callable[[list[nn.Module]], None] | None = None,
     ) -> None:
         self.args, self.family, self.denoiser, self.device = args, family, denoiser, device
         self.collectives, self.group, self.inference = collectives, group, inference
+        self.on_text_encoder = on_text_encoder
         self.converter = load_function(args.custom_expand_samples_to_train_pairs_path)
         self.latent_shape = family.latent_shape(args.hf_checkpoint)
         self._engine: RolloutEngine | None = None
 
     @property
     def engine(self) -> RolloutEngine:
-        """The rollout engine on the student (built on first use; its text encoder loads lazily)."""
+        """The rollout engine on the student (built on first use; its text encoder loads lazily, in the compute dtype
+        ``--train-dtype``)."""
         if self._engine is None:
             args = self.args
-            conditioner = PromptConditioner(args, self.family, args.hf_checkpoint, device=self.device)
+            conditioner = PromptConditioner(
+                args,
+                self.family,
+                args.hf_checkpoint,
+                device=self.device,
+                # The compute dtype (--train-dtype: float32, bfloat16, float16 are torch's own names).
+                dtype=getattr(torch, args.train_dtype),
+                on_load=self.on_text_encoder,
+            )
             self._engine = RolloutEngine(
                 args,
                 self.family,

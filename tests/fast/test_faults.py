@@ -142,14 +142,15 @@ def test_a_driver_killed_during_a_save_and_between_the_groups_saves_resumes_to_t
     out, save = root / "killed", root / "killed_ckpt"
     critic_save = Path(f"{save}_critic")
     argv = _dmd2(root, out, save)
-    # 1. Killed while the actor group writes its checkpoint of rollout 1 (the critic's is complete).
+    # 1. Killed while the actor group writes its checkpoint of rollout 1 (the group awake after the rollout saves
+    # first: the critic's is not started).
     _run_killed("during-save", 1, argv, ray_cluster)
     assert run_dir.read_latest(save) == 0  # rollout 1 was in flight, whatever the workers had written
-    # 2. The same command with --load (no hand edit, no flag to add), killed after the critic saved rollout 2 and
-    # before the actor started to.
+    # 2. The same command with --load (no hand edit, no flag to add), killed after the actor saved rollout 2 and
+    # before the critic started to.
     _run_killed("between-saves", 2, [*argv, "--load", str(save)], ray_cluster)
     assert run_dir.read_latest(save) == 1
-    assert run_dir.complete_rollouts(critic_save) == [0, 1, 2] and run_dir.complete_rollouts(save) == [0, 1]
+    assert run_dir.complete_rollouts(save) == [0, 1, 2] and run_dir.complete_rollouts(critic_save) == [0, 1]
     # 3. Resumed again, it finishes.
     run_main([*argv, "--load", str(save)])
     assert run_dir.read_latest(save) == 2

@@ -47,7 +47,7 @@ class ToyVideoFamily(ModelFamily, TrueCFG, TokenFeatures):
 
         return WanTransformer3DModel.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
 
-    def load_text_encoder(self, path, device="cpu") -> ToyPromptEncoder:
+    def load_text_encoder(self, path, device="cpu", dtype=torch.float32) -> ToyPromptEncoder:
         return ToyPromptEncoder(self.settings(path)["text_length"], self.transformer_config(path)["text_dim"])
 
     def encode_prompts(self, encoder, prompts) -> dict[str, torch.Tensor]:

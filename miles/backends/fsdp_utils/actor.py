@@ -183,6 +183,8 @@ class FSDPTrainRayActor:
                 collectives=self.collectives,
                 group=self.role,
                 inference=self.trainer.inference,
+                # The text encoders (no prompt cache) sleep and wake with the group's own state.
+                on_text_encoder=self.trainer.sleeper.register,
             )
         return self._generator
 
@@ -198,6 +200,7 @@ class FSDPTrainRayActor:
         Raises:
             ValueError / HookResultError: on a bad converter output, or when the ranks' pair counts differ.
         """
+        self.trainer.check_awake("generate", rollout_id)
         timers: dict[str, float] = {}
         shard = ray.get(shard_box.inner)
         with profiled(self.args, self.role, self.rank, rollout_id, "generate"):
@@ -213,8 +216,12 @@ class FSDPTrainRayActor:
 
         ``num_steps`` / ``guidance_scale`` default to ``--diffusion-num-steps`` / ``--diffusion-guidance-scale``.
         Every rank must get a shard of the same size (the group pads).
+
+        Raises:
+            RuntimeError: if the group is asleep (the driver hands it the device first).
         """
-        with self.trainer.sleeper.awake(), self.trainer.eval_weights():
+        self.trainer.check_awake("evaluate", shard.rollout_id)
+        with self.trainer.eval_weights():
             latents = self.generator.sample(shard, num_steps=num_steps, guidance_scale=guidance_scale)
         return decode_latents(self.family, latents, self.device)
 
@@ -254,16 +261,17 @@ class FSDPTrainRayActor:
 
     def train_output(self, rollout_id: int | str, pairs_box: Box, external_data: dict[str, Box] | None = None) -> Box:
         """Collective: run only the train-output hook on this rank's pairs (no optimizer step), e.g. to score a
-        fixed probe batch at evaluation time; the group wakes for it if it sleeps. Returns ``Box(ray.put(output))``.
+        fixed probe batch at evaluation time. Returns ``Box(ray.put(output))``.
 
         Raises:
             ValueError: if the group has no train-output hook.
+            RuntimeError: if the group is asleep (the driver hands it the device first).
         """
         if self.trainer.hooks.train_output is None:
             raise ValueError(f"the {self.role} group has no --custom-train-output-function-path")
+        self.trainer.check_awake("train_output", rollout_id)
         external = {role: ray.get(box.inner) for role, box in (external_data or {}).items()}
-        with self.trainer.sleeper.awake():
-            output = self.trainer.train_output(rollout_id, external, self._pairs(rollout_id, pairs_box))
+        output = self.trainer.train_output(rollout_id, external, self._pairs(rollout_id, pairs_box))
         return Box(ray.put(output))
 
     def _perf_record(self, timers: dict[str, float]) -> dict[str, float]:
@@ -276,10 +284,15 @@ class FSDPTrainRayActor:
     # -- weights out -----------------------------------------------------------------------------------------------
     def get_full_state_dict(self, eval_weights: bool = False) -> dict[str, torch.Tensor]:
         """Collective: the trainable denoiser's unsharded state dict on CPU at rank 0, ``{}`` on other ranks; with
-        ``eval_weights``, the weights evaluation uses (the EMA's with ``--ema-for-eval``)."""
+        ``eval_weights``, the weights evaluation uses (the EMA's with ``--ema-for-eval``).
+
+        Raises:
+            RuntimeError: if the group is asleep (the driver hands it the device first).
+        """
+        self.trainer.check_awake("get_full_state_dict")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = self.trainer.eval_weights() if eval_weights else contextlib.nullcontext()
-        with self.trainer.sleeper.awake(), weights:
+        with weights:
             return get_model_state_dict(self.trainer.models.denoiser, options=options)
 
     def update_weights(self, engines: list) -> None:

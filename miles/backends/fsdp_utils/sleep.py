@@ -163,6 +163,15 @@ class SleepController:
         self.state = AWAKE
         self.host = HostBuffers(self.device.type == "cuda" if pin_memory is None else pin_memory)
 
+    def register(self, modules: list[nn.Module]) -> None:
+        """Move ``modules`` with the group from now on: the text encoders an actor rank loads at its first rollout
+        (:class:`~miles.rollout.conditioning.PromptConditioner`). Registered while asleep, they leave the device now.
+        """
+        self.models = [*self.models, *modules]
+        if self.asleep and self.device != self.offload_device:
+            for module in modules:
+                module.to(self.offload_device)
+
     @property
     def asleep(self) -> bool:
         return self.state == ASLEEP

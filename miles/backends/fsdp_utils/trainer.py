@@ -185,6 +185,17 @@ class GroupTrainer:
         self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
 
     # -- the rollout ---------------------------------------------------------------------------------------------
+    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
+        """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
+        that held the shared GPU to sleep); a group that woke itself would sit on the GPU beside the other one.
+
+        Raises:
+            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
+        """
+        if self.sleeper.asleep:
+            when = "" if rollout_id is None else f" (rollout {rollout_id})"
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
+
     def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int) -> TrainContext:
         """What a hook sees for one micro-batch."""
         return TrainContext(
@@ -220,8 +231,7 @@ class GroupTrainer:
                 train-input hook breaks the ranks' equal counts (raised on every rank before any model collective).
             NonFiniteError: after ``--max-skipped-steps`` non-finite steps in a row.
         """
-        if self.sleeper.asleep:
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
+        self.check_awake("train", rollout_id)
         with profiled(self.args, self.role, self.rank, rollout_id, "train"):
             return self._train(rollout_id, pairs, external)
 
@@ -433,12 +443,16 @@ class GroupTrainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, save_dir: str, rollout_id: int, data_state: Any = None) -> str:
         """Collective: check the weights are finite, then checkpoint every ``Stateful`` of the model set after
-        ``rollout_id`` (:func:`miles.backends.fsdp_utils.checkpoint.save_checkpoint`). Returns the directory."""
-        with self.sleeper.awake():
-            self.check_finite_weights(f"the {self.role} group after rollout {rollout_id}")
-            path = checkpoint.save_checkpoint(
-                save_dir, rollout_id, self.models.states(), role=self.role, data_state=data_state
-            )
+        ``rollout_id`` (:func:`miles.backends.fsdp_utils.checkpoint.save_checkpoint`). Returns the directory.
+
+        Raises:
+            RuntimeError: if the group is asleep (the driver hands it the device first: :meth:`check_awake`).
+        """
+        self.check_awake("save", rollout_id)
+        self.check_finite_weights(f"the {self.role} group after rollout {rollout_id}")
+        path = checkpoint.save_checkpoint(
+            save_dir, rollout_id, self.models.states(), role=self.role, data_state=data_state
+        )
         return str(path)
 
     def load(self, load_dir: str, rollout_id: int) -> None:

@@ -5,6 +5,7 @@ and the tiny GPU check); a bad ``--gpu-memory-gb`` is a case of test_bad_inputs.
 
 import logging
 
+import pytest
 import torch
 
 from miles.driver.memory_plan import (
@@ -14,6 +15,7 @@ from miles.driver.memory_plan import (
     LoraSpec,
     PlanSetting,
     format_bytes,
+    format_count,
     host_memory_line,
     host_memory_per_node,
     plan_group,
@@ -183,3 +185,80 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
         log_memory_plan(parse_args([*argv, "--hf-checkpoint", str(tmp_path / "nope")]))
     assert len(caplog.records) == 1
     assert caplog.records[0].getMessage().startswith("memory plan: not available (FileNotFoundError: ")
+
+
+def _sd3_argv(pipeline, data, tmp_path, *extra) -> list[str]:
+    return ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
+            "--prompt-data", str(data), "--rollout-batch-size", "2", "--dmd2-critic-steps-per-rollout", "1",
+            "--num-rollout", "1", "--train-dtype", "bfloat16", "--output-dir", str(tmp_path / "out"),
+            "--dry-run", *extra]  # fmt: skip
+
+
+def test_the_plan_counts_the_text_encoders_of_every_actor_rank_without_a_prompt_cache(tmp_path, caplog):
+    """Without a cached cond each actor rank loads the family's text encoders whole (SD3.5: two CLIPs and T5-XXL); the
+    plan counts them in the compute dtype from the safetensors headers, and a prompt cache takes them out."""
+    from miles.driver.arguments import parse_args
+    from miles.driver.memory_plan import log_memory_plan, text_encoder_memory
+    from miles.models import get_model_family
+    from miles.models.base import text_encoder_modules
+    from miles.rollout.prompt_cache import write_prompt_cache
+    from tests.support.sd3_t5 import tiny_sd3_t5_pipeline
+
+    pipeline = tiny_sd3_t5_pipeline(tmp_path / "sd3")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a cat"}\n{"prompt": "a dog"}\n')
+    modules = text_encoder_modules(get_model_family(pipeline).load_text_encoder(pipeline))
+    numel = sum(param.numel() for module in modules for param in module.parameters())
+    encoders = text_encoder_memory(parse_args(_sd3_argv(pipeline, data, tmp_path)))
+    assert encoders.numel == numel and encoders.bytes == 2 * numel and encoders.dtype == torch.bfloat16
+    assert encoders.reason == "--prompt-data record 1 has no cached cond under --cond-key 'cond'"
+    with caplog.at_level(logging.INFO, logger="miles.driver.memory_plan"):
+        log_memory_plan(parse_args(_sd3_argv(pipeline, data, tmp_path)))
+    _, plans = plan_run(parse_args(_sd3_argv(pipeline, data, tmp_path)))
+    peak = format_bytes(plans[1].peak + 2 * numel)
+    assert (
+        f"text encoders: {format_count(numel)} parameters, {format_bytes(2 * numel)} per actor rank in bfloat16 "
+        in (caplog.text)
+    )
+    assert f"asleep with the actor group; actor peak with them {peak}" in caplog.text
+
+    cache = tmp_path / "cache"
+    write_prompt_cache(pipeline, data, cache)
+    cached = ["--prompt-data", str(cache / "prompts.jsonl")]
+    # DMD2's teacher CFG encodes the negative prompt too (--dmd2-teacher-guidance-scale > 1).
+    negative = parse_args(_sd3_argv(pipeline, data, tmp_path, *cached, "--dmd2-teacher-guidance-scale", "3"))
+    assert text_encoder_memory(negative).reason == "the negative prompt is encoded (no --negative-cond)"
+    argv = _sd3_argv(pipeline, data, tmp_path, *cached, "--negative-cond", str(cache / "negative.safetensors"))
+    assert text_encoder_memory(parse_args([*argv, "--dmd2-teacher-guidance-scale", "3"])) is None
+
+
+def test_a_dry_run_refuses_text_encoders_that_do_not_fit_and_names_the_prompt_cache(tmp_path):
+    from miles.driver.arguments import parse_args
+    from miles.driver.memory_plan import GIB, text_encoder_memory
+    from miles.driver.preflight import validate_inputs
+    from miles.rollout.prompt_cache import write_prompt_cache
+    from miles.utils.validation import ArgumentValidationError
+    from tests.support.sd3_t5 import tiny_sd3_t5_pipeline
+
+    pipeline = tiny_sd3_t5_pipeline(tmp_path / "sd3")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a cat"}\n{"prompt": "a dog"}\n')
+    args = parse_args(_sd3_argv(pipeline, data, tmp_path))
+    _, plans = plan_run(args)
+    actor, encoders = plans[1].peak, text_encoder_memory(args).bytes
+    # A GPU whose 90% holds the actor group, and every other group, but not the actor with its text encoders.
+    gpu_gb = (max(actor + encoders // 2, plans[0].peak) / (1 - HEADROOM)) / GIB
+    assert actor + encoders > (1 - HEADROOM) * gpu_gb * GIB
+    with pytest.raises(ArgumentValidationError) as info:
+        validate_inputs(parse_args(_sd3_argv(pipeline, data, tmp_path, "--gpu-memory-gb", str(gpu_gb))))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("the text encoders (")
+    assert f"encode the prompts once instead: python -m miles.rollout.prompt_cache {pipeline} {data} CACHE_DIR" in (
+        message
+    )
+    # A larger GPU holds them; on the same GPU, the prompt cache the message names takes them off it.
+    validate_inputs(parse_args(_sd3_argv(pipeline, data, tmp_path, "--gpu-memory-gb", str(2 * gpu_gb))))
+    cache = tmp_path / "cache"
+    write_prompt_cache(pipeline, data, cache)
+    cached = ["--prompt-data", str(cache / "prompts.jsonl"), "--negative-cond", str(cache / "negative.safetensors")]
+    validate_inputs(parse_args(_sd3_argv(pipeline, data, tmp_path, *cached, "--gpu-memory-gb", str(gpu_gb))))

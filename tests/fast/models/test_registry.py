@@ -42,7 +42,7 @@ class _Stub(ModelFamily):
     def load_denoiser(self, path, dtype=torch.float32):
         raise NotImplementedError
 
-    def load_text_encoder(self, path, device="cpu"):
+    def load_text_encoder(self, path, device="cpu", dtype=torch.float32):
         raise NotImplementedError
 
     def encode_prompts(self, encoder, prompts):

@@ -170,6 +170,21 @@ def test_a_checkpoint_of_every_stateful_resumes_exactly_without_a_process_group(
         assert torch.equal(resumed.models.denoiser.state_dict()[name], value), name
 
 
+def test_an_asleep_group_refuses_to_save_or_train_instead_of_waking_itself(pipeline, family, tmp_path):
+    """Only the driver wakes a group (train_diffusion.DeviceTurns, after the group on the shared GPU went to sleep): a
+    save that woke its own group would put two groups' state on one GPU (it did, before issue 30)."""
+    trainer = _trainer(_args(pipeline, tmp_path), family)
+    trainer.sleeper.sleep()
+    with pytest.raises(RuntimeError, match=r"^actor group is asleep; call wake_up\(\) before save \(rollout 3\)$"):
+        trainer.save(str(tmp_path / "ckpt"), 3)
+    with pytest.raises(RuntimeError, match=r"before train \(rollout 4\)$"):
+        trainer.train(4, digits_pairs(family, 4, PAIRS), {})
+    assert trainer.sleeper.asleep and not (tmp_path / "ckpt").exists()
+    trainer.sleeper.wake_up()
+    trainer.save(str(tmp_path / "ckpt"), 3)
+    assert (tmp_path / "ckpt" / "rollout_3").is_dir()
+
+
 class FreezeAllButOutput:
     """A converter as LoRA will be one: it freezes the base and leaves the checkpoint only what it trains."""
 
