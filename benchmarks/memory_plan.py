@@ -69,6 +69,7 @@ def setting(config: dict, gpus: int, resolution: int, zero3: bool) -> PlanSettin
         text_tokens=TEXT_TOKENS[config["_class_name"]],
         gradient_checkpointing=True,
         reshard_every_microbatch=zero3,
+        ranks_per_node=min(gpus, 8),  # nodes of 8 GPUs
     )
 
 

@@ -42,6 +42,17 @@ actor rank loads the family's text encoders whole, in the compute dtype, and kee
 peak with them must fit too (:func:`check_text_encoders_fit`, or encode the prompts once with ``python -m
 miles.rollout.prompt_cache``). Not counted: the VAE, eval sampling.
 
+Start-up (estimated), per group in training order: the groups initialise one after the other, each built on the
+meta device, sharded, then read from its files one tensor at a time, each rank its own rows
+(:mod:`miles.backends.fsdp_utils.model`); with shared GPUs each sleeps in host memory before the next one loads.
+
+* **GPU**: the shards as loaded (parameters, frozen, EMA, buffers; the optimizer state only when ``--load``
+  resumes it), plus what is briefly held twice: the buffers while ``to_empty`` replaces them, and the LoRA adapters
+  and built modules (the GAN head) whole before ``fully_shard`` shards them;
+* **host per process**: the tensors built real on the host (buffers, LoRA adapters, built modules, all whole), the
+  largest tensor's rows in flight (read in at most 4 bytes per element and cast), and the resting state of the
+  groups initialised before it, asleep in host memory; **per node**: that times the trainer ranks of a node.
+
 Host memory per node (:func:`host_memory_per_node`): while groups take turns on the GPUs, every group's optimizer
 state and EMA sit in pinned buffers for the whole run, and a sleeping group's parameters, frozen models and buffers
 in pageable memory.
@@ -58,7 +69,14 @@ import torch
 from torch import nn
 
 from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, adapter_parameters, add_lora_adapter
-from miles.models.memory import ActivationEstimate, activation_estimate, full_config, meta_denoiser, shard_bytes
+from miles.models.memory import (
+    ActivationEstimate,
+    activation_estimate,
+    full_config,
+    meta_denoiser,
+    shard_bytes,
+    shard_numel,
+)
 
 __all__ = [
     "GIB",
@@ -78,6 +96,7 @@ __all__ = [
     "memory_table",
     "plan_group",
     "plan_run",
+    "startup_table",
     "text_encoder_line",
     "text_encoder_memory",
 ]
@@ -128,7 +147,8 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class PlanSetting:
-    """What every group of a run shares: DP size, compute dtype, tokens per sample, the memory knobs."""
+    """What every group of a run shares: DP size, compute dtype, tokens per sample, the memory knobs, the trainer
+    ranks per node and whether the run resumes (``--load``: the optimizer state then loads at start-up)."""
 
     dp_size: int
     compute_dtype: torch.dtype
@@ -137,11 +157,14 @@ class PlanSetting:
     gradient_checkpointing: bool = False
     reshard_every_microbatch: bool = False
     rank: int = 0
+    ranks_per_node: int = 1
+    resume: bool = False
 
 
 @dataclass(frozen=True)
 class GroupMemory:
-    """Bytes one DP rank of a group holds (see the module docstring for each figure)."""
+    """Bytes one DP rank of a group holds (see the module docstring for each figure); ``startup`` is its GPU bytes
+    while the group initialises, ``startup_host`` the host bytes of its own load (without the groups asleep)."""
 
     role: str
     trainable_numel: int
@@ -155,6 +178,8 @@ class GroupMemory:
     gathered_train: int
     gathered_inference: int
     activations: ActivationEstimate
+    startup: int = 0
+    startup_host: int = 0
 
     @property
     def resting(self) -> int:
@@ -256,9 +281,19 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
 
     params = shard_bytes(trainable_shapes, dp, rank, MASTER_BYTES)
     t_full = sum(math.prod(shape) for shape in trainable_shapes)
-    gathered_train, gathered_inference = _gathered(
-        model, teacher, trainable_ids, t_full - sum(p.numel() for p in trainable), setting
-    )
+    extra_numel = t_full - sum(p.numel() for p in trainable)
+    gathered_train, gathered_inference = _gathered(model, teacher, trainable_ids, extra_numel, setting)
+    optimizer = ADAM_MOMENTS * params + ADAM_STEP_BYTES * len(trainable_shapes)
+    frozen_bytes = shard_bytes(frozen_shapes, dp, rank, c)
+    ema = params if spec.ema else 0
+    # Start-up: tensors built real on the host before sharding (the files hold none of them): buffers, a LoRA
+    # adapter, the modules a method builds; the tensors read from the files, one at a time (file ≤ 4 bytes + cast).
+    host_built = buffers + (t_full if spec.lora is not None else extra_numel) * MASTER_BYTES
+    read = [(tuple(p.shape), MASTER_BYTES) for p in (trainable if spec.lora is None else [])]
+    read += [(tuple(p.shape), c) for p in frozen]
+    in_flight = max((shard_numel(shape, dp, rank) * (MASTER_BYTES + size) for shape, size in read), default=0)
+    startup = params + frozen_bytes + ema + buffers + (optimizer if setting.resume else 0)
+    startup += host_built  # held twice for a moment: buffers across to_empty, adapters and built modules unsharded
     activations = activation_estimate(
         full_config(model),
         setting.image_tokens,
@@ -273,13 +308,15 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
         frozen_numel=sum(p.numel() for p in frozen),
         parameters=params,
         gradients=params,
-        optimizer=ADAM_MOMENTS * params + ADAM_STEP_BYTES * len(trainable_shapes),
-        frozen=shard_bytes(frozen_shapes, dp, rank, c),
-        ema=params if spec.ema else 0,
+        optimizer=optimizer,
+        frozen=frozen_bytes,
+        ema=ema,
         buffers=buffers,
         gathered_train=gathered_train,
         gathered_inference=gathered_inference,
         activations=activations,
+        startup=startup,
+        startup_host=host_built + in_flight,
     )
 
 
@@ -341,6 +378,8 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
         text_tokens=family.text_tokens(args.hf_checkpoint),
         gradient_checkpointing=args.gradient_checkpointing,
         reshard_every_microbatch=args.fsdp_reshard_every_microbatch,
+        ranks_per_node=args.actor_num_gpus_per_node,
+        resume=bool(args.load),
     )
     plans = []
     for trainer in compute_trainer_configs(args):
@@ -401,6 +440,23 @@ def memory_table(setting: PlanSetting, plans: list[GroupMemory], gpu_bytes: floa
     lines.append("  * estimates (gathered models and gradients of a phase, activations); the rest is exact")
     if gpu_bytes is not None:
         lines.append(fit_line(plans, gpu_bytes))
+    return lines + startup_table(setting, plans)
+
+
+def startup_table(setting: PlanSetting, plans: list[GroupMemory]) -> list[str]:
+    """The start-up estimate as text lines: per group in initialisation order, its GPU bytes per rank and the host
+    bytes per trainer process and per node while it loads (the groups before it asleep in host memory)."""
+    per_node = f"host per node ({setting.ranks_per_node} rank{'s' if setting.ranks_per_node != 1 else ''})"
+    header = ["group", "GPU per rank*", "host per process*", f"{per_node}*"]
+    rows, asleep = [], 0
+    for plan in plans:
+        host = plan.startup_host + asleep
+        rows.append([plan.role, *(format_bytes(n) for n in (plan.startup, host, host * setting.ranks_per_node))])
+        # Asleep from here on: what it holds at rest (the optimizer state exists only once it steps or resumes).
+        asleep += plan.resting - (0 if setting.resume else plan.optimizer)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["start-up, one group after the other (each built on the meta device, sharded, then read from its files):"]
+    lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     return lines
 
 

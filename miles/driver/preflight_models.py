@@ -50,7 +50,13 @@ def safetensors_header(path: Path) -> dict:
 def _weight_files(flag: str, pipeline: str) -> list[Path]:
     folder = Path(pipeline) / DENOISER
     files = sorted(folder.glob("*.safetensors"))
-    if not files and not any(folder.glob("*.bin")):
+    if not files and any(folder.glob("*.bin")):
+        # Each trainer rank reads only its own rows of each tensor, which safetensors allows and pickles do not.
+        reject(
+            f"{flag} {pipeline}: {folder} holds .bin weights only; miles loads safetensors: save the model again "
+            "with save_pretrained(..., safe_serialization=True)"
+        )
+    if not files:
         reject(f"{flag} {pipeline}: {folder} holds no weights file (*.safetensors); is the pipeline complete?")
     return files
 

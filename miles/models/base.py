@@ -1,8 +1,9 @@
 """What every model family gives the engine and the trainers: the ``ModelFamily`` protocol.
 
-A family wraps one kind of diffusers pipeline directory (``sd3``, ``digits``): it loads the denoiser and the text
-encoder, turns prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one
-and says which config figures a teacher or critic must share with the student. What a family can do beyond that
+A family wraps one kind of diffusers pipeline directory (``sd3``, ``digits``): it loads the denoiser (or builds it
+on the meta device and names its weight files, for the trainers' sharded start-up) and the text encoder, turns
+prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one and says which
+config figures a teacher or critic must share with the student. What a family can do beyond that
 is declared by subclassing the capability protocols of :mod:`miles.models.capabilities` (its guidance form, a
 pixel codec, a feature tap for the DMD2 GAN head). A new family (FLUX, Wan, ...) subclasses these protocols and
 registers itself (:mod:`miles.models.registry`); nothing else in miles knows which denoiser class or cond keys a
@@ -26,6 +27,7 @@ from torch import nn
 __all__ = [
     "DENOISER",
     "ModelFamily",
+    "denoiser_weight_index",
     "PromptEncoder",
     "TEXT_ENCODER_COMPONENTS",
     "encode_one_prompt",
@@ -89,6 +91,103 @@ class ModelFamily(Protocol):
     @abstractmethod
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The pipeline's denoiser (``<path>/transformer``) in eval mode on the CPU, in ``dtype``."""
+
+    def denoiser_class(self, path: str | Path) -> type[nn.Module]:
+        """The diffusers model class of ``<path>/transformer``: the ``_class_name`` its ``config.json`` names (what
+        ``save_pretrained`` writes). Override for a denoiser class diffusers does not export.
+
+        Raises:
+            FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
+            ValueError: if diffusers has no class of that name.
+        """
+        import diffusers
+
+        config = read_json(Path(path) / DENOISER / "config.json", "transformer config")
+        name = config.get("_class_name")
+        cls = getattr(diffusers, str(name), None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(
+                f"{path}/{DENOISER}/config.json names _class_name {name!r}, which is not a diffusers model class"
+            )
+        return cls
+
+    def denoiser_weight_files(self, path: str | Path) -> list[Path]:
+        """The safetensors files that hold the weights of ``<path>/transformer``, as ``save_pretrained`` writes
+        them: ``diffusion_pytorch_model.safetensors``, or the shards listed in the ``weight_map`` of
+        ``diffusion_pytorch_model.safetensors.index.json`` (a sharded checkpoint), each file once, in order.
+
+        Raises:
+            FileNotFoundError: if the folder holds neither (e.g. only ``.bin`` weights), or a listed shard is missing.
+            ValueError: if the index file is not valid JSON or has no ``weight_map``.
+        """
+        from diffusers.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+
+        folder = Path(path) / DENOISER
+        index = folder / SAFE_WEIGHTS_INDEX_NAME
+        if index.is_file():
+            weight_map = read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"safetensors index {index} has no weight_map; is the file truncated?")
+            files = [folder / name for name in dict.fromkeys(weight_map.values())]
+            missing = [str(file) for file in files if not file.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists weight files that are missing: {missing}")
+            return files
+        single = folder / SAFETENSORS_WEIGHTS_NAME
+        if single.is_file():
+            return [single]
+        raise FileNotFoundError(
+            f"no {SAFETENSORS_WEIGHTS_NAME} (or its .index.json) under {folder}: miles loads a denoiser from "
+            "safetensors; save it with save_pretrained(..., safe_serialization=True)"
+        )
+
+    def build_meta_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The denoiser of ``<path>/transformer`` built from its config without its weights: every parameter on the
+        meta device, buffers computed at construction real (on the CPU), in eval mode. It is what
+        :meth:`load_denoiser` returns before the weights are read, so loading its files into it gives
+        ``load_denoiser(path, dtype)`` exactly:
+
+        - built as diffusers' ``ModelMixin.from_pretrained`` builds (default dtype ``dtype``, ``torch.nn.init``
+          skipped, parameters created on the meta device by accelerate's ``init_empty_weights``), so it draws from
+          the global RNG exactly as ``from_pretrained`` does and later draws (a LoRA adapter, a GAN head) match;
+        - each floating parameter or buffer the weight files hold gets the dtype ``from_pretrained`` gives it:
+          float32 inside the class's ``_keep_in_fp32_modules``, ``dtype`` elsewhere.
+
+        :mod:`miles.backends.fsdp_utils.model` shards it before any weight is read, so no process ever holds the
+        whole model it does not keep.
+
+        Raises:
+            FileNotFoundError, ValueError: as :meth:`denoiser_class` and :meth:`denoiser_weight_files`.
+        """
+        import accelerate
+        from diffusers.models.modeling_utils import no_init_weights
+
+        cls = self.denoiser_class(path)
+        folder = Path(path) / DENOISER
+        in_files = set(denoiser_weight_index(self.denoiser_weight_files(path)))
+        config = cls.load_config(folder)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with no_init_weights(), accelerate.init_empty_weights():
+                model = cls.from_config(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        keep_fp32 = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name not in in_files or not tensor.is_floating_point():
+                continue
+            # diffusers' load_model_dict_into_meta: a module name among the key's parts keeps the tensor in float32
+            target = torch.float32 if any(part in name.split(".") for part in keep_fp32) else dtype
+            if tensor.dtype != target:
+                module_name, _, local = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                if local in module._parameters:
+                    tensor.data = tensor.data.to(target)
+                else:
+                    module._buffers[local] = tensor.to(target)
+        model.register_to_config(_name_or_path=str(folder))
+        return model.eval()
 
     @abstractmethod
     def load_text_encoder(
@@ -238,6 +337,24 @@ def encode_one_prompt(family: ModelFamily, encoder: PromptEncoder, prompt: str) 
     """One prompt's cond kwargs without a batch dim (the negative prompt of CFG, usually ``""``), float32 on CPU."""
     # clone: a view would carry (and pickle) the whole batch storage
     return {key: value[0].clone() for key, value in family.encode_prompts(encoder, [prompt]).items()}
+
+
+def denoiser_weight_index(files: list[Path]) -> dict[str, Path]:
+    """``{tensor name: file}`` of safetensors ``files``, read from their headers only (no tensor data).
+
+    Raises:
+        ValueError: if two files hold a tensor of the same name.
+    """
+    from safetensors import safe_open
+
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key in index:
+                    raise ValueError(f"tensor {key!r} is in both {index[key]} and {file}")
+                index[key] = Path(file)
+    return index
 
 
 def read_json(path: str | Path, what: str) -> dict:

@@ -4,6 +4,7 @@ The trainer's LoRA converter and the memory planner (:mod:`miles.driver.memory_p
 :func:`add_lora_adapter`, so the planner counts exactly the parameters a run trains.
 """
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -66,17 +67,24 @@ def add_lora_adapter(
     alpha: float | None = None,
     target_modules: tuple[str, ...] | list[str] = DEFAULT_LORA_TARGET_MODULES,
     dropout: float = 0.0,
+    adapter_device: str | torch.device | None = None,
 ) -> nn.Module:
     """Add a LoRA adapter named ``adapter_name`` to a diffusers model (``ModelMixin.add_adapter`` with a
     ``peft.LoraConfig``); peft freezes the base weights, the adapter's ``lora_A`` / ``lora_B`` require grad.
 
-    Works on a model on the meta device: the adapter's tensors are then created on the meta device too (no memory).
+    Works on a model on the meta device: the adapter's tensors are then created on the meta device too (no memory),
+    unless ``adapter_device`` says otherwise.
 
     Args:
         rank: the LoRA rank r (> 0).
         alpha: ``lora_alpha`` (the update is scaled by alpha / r); None means r (scale 1).
         target_modules: module-name suffixes (see :data:`DEFAULT_LORA_TARGET_MODULES`).
         dropout: ``lora_dropout``.
+        adapter_device: where the adapter's tensors are created; None: where the base weights are. On a base whose
+            weights are on the meta device, ``"cpu"`` gives the adapters real initial values, the same as on a
+            loaded base (the same global-RNG draws, cast to the base's dtype as peft casts them): peft puts an
+            adapter on its base layer's device, so each targeted layer's meta weight is swapped for a one-element
+            placeholder on ``adapter_device`` (same shape and dtype, no memory) while the adapter is added.
 
     Returns:
         ``model``, now with the adapter.
@@ -95,10 +103,32 @@ def add_lora_adapter(
     # Checked here: a failed peft injection leaves a diffusers model half-configured for adapters.
     if not any(name == t or name.endswith("." + t) for name, _ in model.named_modules() for t in targets):
         raise ValueError(f"no module of {type(model).__name__} matches the LoRA target modules {targets}")
-    # New adapter tensors go where the base weights are (the meta device stays weightless).
-    with torch.device(next(model.parameters()).device):
+    # New adapter tensors go where the base weights are (the meta device stays weightless), or to adapter_device.
+    device = torch.device(adapter_device) if adapter_device is not None else next(model.parameters()).device
+    with torch.device(device), _weights_appear_on(adapted_linears(model, targets), device):
         model.add_adapter(config, adapter_name=adapter_name)
     return model
+
+
+@contextlib.contextmanager
+def _weights_appear_on(linears: list[nn.Linear], device: torch.device) -> Iterator[None]:
+    """Within the block, each meta-device ``weight`` of ``linears`` is replaced by a zero-stride placeholder of the
+    same shape and dtype on ``device`` (peft reads only its device and dtype); afterwards the meta weight is back,
+    with the ``requires_grad`` peft gave the placeholder. No-op where ``device`` is the meta device."""
+    swapped = []
+    if device.type != "meta":
+        for linear in linears:
+            weight = linear.weight
+            if weight.device.type == "meta":
+                stand_in = torch.zeros((), dtype=weight.dtype, device=device).expand(weight.shape)
+                linear.weight = nn.Parameter(stand_in, requires_grad=weight.requires_grad)
+                swapped.append((linear, weight))
+    try:
+        yield
+    finally:
+        for linear, weight in swapped:
+            weight.requires_grad_(linear.weight.requires_grad)
+            linear.weight = weight
 
 
 def adapter_parameters(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Parameter]]:

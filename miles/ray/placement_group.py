@@ -127,15 +127,18 @@ def create_training_models(
     started: list | None = None,
     load_rollout_id: int | None = None,
 ) -> dict[str, RayTrainGroup]:
-    """Spawn and initialise one ``RayTrainGroup`` per trainer config, in training order.
+    """Spawn one ``RayTrainGroup`` per trainer config, then initialise them one after the other, in training order.
 
-    Each group gets ``compute_trainer_args(args, config)``; all groups initialise concurrently. Each returned
-    group's ``start_rollout_id`` is 0, or ``load_rollout_id + 1`` (the committed rollout of ``--load``, which every
-    group loads from its own load directory). ``started`` (optional)
-    receives ``("actor", handle)`` for every rank spawned, before any can fail to initialise, so the caller can
-    end them.
+    Each group gets ``compute_trainer_args(args, config)``. One group at a time loads its models (each rank reading
+    its shards, :mod:`miles.backends.fsdp_utils.weights`) so that a GPU never holds two groups' start-up at once;
+    when the groups share GPUs, each sleeps (its state in host memory) before the next one starts, and the actor
+    group is the one left awake, as the driver's turns expect. Each returned group's ``start_rollout_id`` is 0, or
+    ``load_rollout_id + 1`` (the committed rollout of ``--load``, which every group loads from its own load
+    directory). ``started`` (optional) receives ``("actor", handle)`` for every rank spawned, before any can fail to
+    initialise, so the caller can end them.
 
     Raises:
+        WorkerError: naming the first rank whose ``init`` failed; the groups after it are not initialised.
         RuntimeError: if the groups' checkpoints resume at different rollouts.
     """
     cpus = bundle_cpus(args)
@@ -155,13 +158,20 @@ def create_training_models(
     }
     if started is not None:
         started += [("actor", handle) for group in groups.values() for handle in group.actors]
-    init_refs = {role: group.async_init(load_rollout_id) for role, group in groups.items()}
+    # Colocated groups on GPUs take turns from the start (miles.driver.schedule.needs_sleep's rule).
+    take_turns = len(groups) > 1 and gpus > 0
+    roles = list(groups)
+    awake = "actor" if "actor" in groups else roles[-1]  # the actor generates first
     starts = {}
-    for role, refs in init_refs.items():
-        rank_starts = set(groups[role].get(refs, "init"))
+    for i, (role, group) in enumerate(groups.items()):
+        rank_starts = set(group.get(group.async_init(load_rollout_id), "init"))
         if len(rank_starts) != 1:
             raise RuntimeError(f"{role} ranks resume at different rollouts {sorted(rank_starts)}")
-        starts[role] = groups[role].start_rollout_id = rank_starts.pop()
+        starts[role] = group.start_rollout_id = rank_starts.pop()
+        if take_turns and (i < len(roles) - 1 or role != awake):
+            group.get(group.async_sleep(), "sleep")
+    if take_turns and awake != roles[-1]:
+        groups[awake].get(groups[awake].async_wake_up(), "wake_up")
     if len(set(starts.values())) != 1:
         raise RuntimeError(f"trainer groups resume at different rollouts {starts}")
     return groups

@@ -83,6 +83,7 @@ class LoraAdapter:
             alpha=self.settings.alpha,
             target_modules=self.settings.target_modules,
             dropout=self.settings.dropout,
+            adapter_device="cpu",  # real initial values on a base still on the meta device
         )
         for _, param in adapter_parameters(module, ADAPTER_NAME):
             param.data = param.data.float()

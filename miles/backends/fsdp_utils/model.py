@@ -1,7 +1,11 @@
 """Load a denoiser through its model family and shard it with FSDP2.
 
-A trainable denoiser's converters (:mod:`miles.backends.fsdp_utils.converters`: LoRA, activation checkpointing)
-are applied before sharding, as torchtitan applies its ``ModelConverter``s before ``fully_shard``.
+Start-up order (torchtitan's and torchtune's): the family builds the denoiser on the meta device
+(``ModelFamily.build_meta_denoiser``), its converters (:mod:`miles.backends.fsdp_utils.converters`: LoRA, activation
+checkpointing) change it, ``fully_shard`` shards it, and only then does each rank get memory for its own shards and
+read its rows of each tensor from the safetensors files (:mod:`miles.backends.fsdp_utils.weights`). No process ever
+holds a whole model it does not keep: a rank's host memory at start-up is one tensor's rows in flight, its GPU its
+shards. A group of one is not wrapped and reads the whole model onto its device, tensor by tensor.
 
 With one DP rank the module is not wrapped at all, as torchtitan does with ``dp_shard = 1``: sharding over one rank
 only adds copies and hooks (a digits step measured 1.7× slower wrapped). Mixed precision then comes from
@@ -30,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.backends.fsdp_utils.converters import ModelConverter
+from miles.backends.fsdp_utils.weights import checkpoint_names, load_weights
 from miles.models.base import DENOISER
 
 __all__ = [
@@ -129,22 +134,26 @@ def _load(
     component: str = DENOISER,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    model = family.load_denoiser(path, dtype=load_dtype)
+    # Parameters on the meta device until they are sharded: no process holds a whole model it does not keep (loading
+    # first put a full float32 copy in every process's host memory and the whole model on every GPU).
+    model = family.build_meta_denoiser(path, dtype=load_dtype)
     model.train(trainable)
     model.requires_grad_(trainable)
     if trainable:
         for name in family.unused_parameters(model):  # no gradient, so no optimizer state a resume could load
             model.get_parameter(name).requires_grad_(False)
-    # Before the move and fully_shard: a converter may wrap layers, freeze the base or checkpoint blocks, and each
-    # block's recomputation then runs inside its own FSDP unit.
+    names = checkpoint_names(model)  # the files' names, before a converter wraps layers
+    # Before fully_shard: a converter may wrap layers, freeze the base or checkpoint blocks, and each block's
+    # recomputation then runs inside its own FSDP unit.
     for converter in converters:
         converter.convert(component, model)
-    # fully_shard keeps each parameter's device; moving first lets it shard straight onto the training device.
-    model.to(device)
     if mesh is not None and mesh.size() > 1:
         # Per-block units only pay off when they are freed after each use (ZeRO-3); otherwise one unit is cheapest.
         blocks = family.blocks(model) if reshard_after_forward else []
         shard_model(model, blocks, mesh, compute_dtype, reshard_after_forward)
+    # Each rank's shards (or, unwrapped, the whole model) on the device, read from the files tensor by tensor.
+    ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    load_weights(model, family.denoiser_weight_files(path), device, names, ignore_unexpected=ignore)
     return model
 
 
@@ -159,7 +168,14 @@ def load_trainable_denoiser(
 ) -> nn.Module:
     """The trainable denoiser of pipeline ``path``: float32 master weights (the optimizer's), in train mode, with
     grads, changed by ``converters`` (:mod:`miles.backends.fsdp_utils.converters`), then sharded over the mesh when
-    it has more than one rank (``mesh`` None: a group of one, unwrapped)."""
+    it has more than one rank (``mesh`` None: a group of one, unwrapped), then loaded onto ``device`` (each rank its
+    shards; the module docstring).
+
+    Raises:
+        FileNotFoundError: for a pipeline without ``transformer/config.json`` or safetensors weights.
+        RuntimeError: for a parameter the weight files do not hold (and no converter initialised).
+        ValueError: for a weight whose shape differs from the config's model.
+    """
     model = _load(
         family,
         path,
@@ -185,7 +201,8 @@ def load_frozen_denoiser(
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """A frozen denoiser (e.g. ``--teacher-load``) stored in the compute dtype (no float32 master copy: nothing
-    updates it), sharded like the trainable one, eval mode, no grads.
+    updates it; modules the class keeps in float32 stay float32, as ``from_pretrained`` keeps them), built and
+    sharded before it is loaded like the trainable one, eval mode, no grads.
 
     Callers run it under ``torch.no_grad`` and :func:`reshard` it afterwards.
     """

@@ -3,9 +3,10 @@
 ``build_model_set`` loads, in this order (the global RNG is seeded before, so a method's randomly initialised
 module is the same on every rank and every run):
 
-1. the trainable denoiser of ``--hf-checkpoint`` (float32 master weights), changed by the group's converters and
-   sharded over the mesh (:mod:`miles.backends.fsdp_utils.model`); with ``--lora-rank`` a frozen base in the compute
-   dtype and float32 adapters;
+1. the trainable denoiser of ``--hf-checkpoint`` (float32 master weights), built on the meta device, changed by the
+   group's converters, sharded over the mesh, and only then read from its files, each rank its own shards
+   (:mod:`miles.backends.fsdp_utils.model`); with ``--lora-rank`` a frozen base in the compute dtype and float32
+   adapters;
 2. the frozen teacher of ``--teacher-load``, if any, in the compute dtype; when the group's denoiser is a LoRA on
    the teacher's own weights (the DMD2 critic with ``--critic-lora-rank``), no second copy: the teacher is the
    denoiser with its adapters disabled (:class:`miles.models.lora.AdaptersDisabled`), one base per group;

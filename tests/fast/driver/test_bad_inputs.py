@@ -147,6 +147,13 @@ def _pipeline_without_weights(w, d):
     return sft(w, d, "--hf-checkpoint", str(pipe)), f"--hf-checkpoint {pipe}: {pipe}/transformer holds no weights"
 
 
+def _pipeline_with_bin_weights(w, d):
+    pipe = copy_pipeline(w.pipeline, d / "pipe")
+    for path in (pipe / "transformer").glob("*.safetensors"):
+        path.rename(path.with_suffix(".bin"))  # a pickled checkpoint's name; preflight refuses it by its name
+    return sft(w, d, "--hf-checkpoint", str(pipe)), f"--hf-checkpoint {pipe}: {pipe}/transformer holds .bin weights"
+
+
 def _teacher_other_token_length(w, d):
     teacher = make_pipeline_like(d / "teacher", max_length=8)
     message = f"--teacher-load {teacher} does not fit --hf-checkpoint {w.pipeline}: text token length (max_length) 8"
@@ -547,6 +554,7 @@ COMMANDS: dict[str, Callable] = {
     "teacher-nan-weight": _teacher_nan_weight,
     "pipeline-truncated-weights": _pipeline_truncated,
     "pipeline-without-weights": _pipeline_without_weights,
+    "pipeline-with-bin-weights": _pipeline_with_bin_weights,
     "teacher-other-token-length": _teacher_other_token_length,
     "critic-other-latent-channels": _critic_other_channels,
     "model-index-a-list": _model_index("[]", "list"),

@@ -20,6 +20,7 @@ from miles.driver.memory_plan import (
     host_memory_per_node,
     plan_group,
     plan_run,
+    startup_table,
 )
 from miles.models.lora import add_lora_adapter
 from miles.models.memory import ActivationEstimate
@@ -112,6 +113,35 @@ def test_a_rank_fits_when_its_peak_leaves_the_headroom_free():
     assert not plan.fits(plan.peak / (1 - HEADROOM) - 1)
 
 
+def test_start_up_holds_the_shards_one_tensor_in_flight_and_the_groups_before_it_asleep():
+    setting = PlanSetting(2, torch.bfloat16, 16, 8, ranks_per_node=2)
+    critic = plan_group(GroupSpec("critic", TINY_SD3, teacher=TINY_SD3), setting)
+    actor = plan_group(GroupSpec("actor", TINY_SD3, ema=True), setting)
+    # GPU: the shards as loaded, the buffers twice while to_empty replaces them, no optimizer state before a step.
+    assert critic.startup == critic.parameters + critic.frozen + 2 * critic.buffers < critic.peak
+    assert actor.startup == actor.parameters + actor.ema + 2 * actor.buffers < actor.peak
+    # Host: the buffers built there, and the largest tensor's rank-0 rows in flight: read as float32, cast to float32.
+    largest = max(torch.chunk(p.detach(), 2)[0].numel() for p in _real(TINY_SD3).parameters())
+    assert critic.startup_host == critic.buffers + largest * (4 + 4)
+    # A LoRA group builds its adapter whole on the host (float32) and reads its base in bf16.
+    lora = plan_group(GroupSpec("critic", TINY_SD3, teacher=TINY_SD3, lora=LoraSpec(rank=4)), setting)
+    adapter_numel = sum(
+        p.numel() for p in add_lora_adapter(_real(TINY_SD3), "critic", 4).parameters() if p.requires_grad
+    )
+    assert lora.startup_host == lora.buffers + adapter_numel * 4 + largest * (4 + 2)
+    # A resumed run loads its optimizer state at start-up.
+    resumed = plan_group(GroupSpec("actor", TINY_SD3, ema=True), PlanSetting(2, torch.bfloat16, 16, 8, resume=True))
+    assert resumed.startup == actor.startup + actor.optimizer
+    # While the actor loads, the critic sleeps in host memory with what it holds at rest (no optimizer state yet).
+    rows = [line.split() for line in startup_table(setting, [critic, actor])[2:]]
+    asleep = critic.resting - critic.optimizer
+    critic_host, actor_host = critic.startup_host, actor.startup_host + asleep
+    assert rows[0] == ["critic", *format_bytes(critic.startup).split(), *format_bytes(critic_host).split(),
+                       *format_bytes(2 * critic_host).split()]  # fmt: skip
+    assert rows[1] == ["actor", *format_bytes(actor.startup).split(), *format_bytes(actor_host).split(),
+                       *format_bytes(2 * actor_host).split()]  # fmt: skip
+
+
 def test_host_memory_per_node_pins_every_groups_optimizer_and_ema_and_pages_the_sleeping_weights():
     # Groups sleep on CUDA: their optimizer state and EMA stay in pinned buffers for the run (sleep.HostBuffers), the
     # sleeping groups' weights in pageable memory; the figures are DP rank 0's times the ranks of a node.
@@ -145,6 +175,7 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
     assert "memory per GPU, DP rank 0 of 2: float32 compute, 16 image + 16 text tokens per sample" in text
     assert "critic" in text and "actor" in text and "* estimates" in text
     assert "GPU of 1.02 MiB: does NOT fit" in text
+    assert "start-up, one group after the other" in text and "host per node (2 ranks)*" in text
     assert "host memory per node of 2 ranks while groups sleep (on CUDA): " in text
     _, plans = plan_run(parse_args(argv))
     assert [plan.role for plan in plans] == ["critic", "actor"] and plans[1].frozen == 0

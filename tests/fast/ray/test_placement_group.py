@@ -137,6 +137,52 @@ def test_dmd2_actor_copy_drops_only_the_teacher_and_the_input_args_stay_untouche
     assert vars(args) == snapshot and vars(_group_args(args)["actor"]) == actor
 
 
+class _RecordingGroup:
+    """Stands in for ``RayTrainGroup`` (no processes): each call appends to ``log``; a ref "resolves" in ``get``."""
+
+    def __init__(self, log: list, args, role: str, *_, **__) -> None:
+        self.log, self.args, self.role, self.actors = log, args, role, [f"{role} rank 0", f"{role} rank 1"]
+
+    def async_init(self, load_rollout_id):
+        self.log.append(f"{self.role} init starts")
+        return ["init"]
+
+    def async_sleep(self):
+        self.log.append(f"{self.role} sleep starts")
+        return ["sleep"]
+
+    def async_wake_up(self):
+        self.log.append(f"{self.role} wake_up starts")
+        return ["wake_up"]
+
+    def get(self, refs, method, rollout_id=None):
+        self.log.append(f"{self.role} {method} done")
+        return [0, 0]  # both ranks start at rollout 0
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_groups_initialise_one_after_the_other_and_on_shared_gpus_each_sleeps_before_the_next(use_gpu, monkeypatch):
+    """On a GPU the critic and the actor share, two concurrent start-ups would hold both groups' weights at once
+    (3ea913a started every group's init, then waited): Ray's groups are recorded, and a GPU cluster is what
+    ``use_gpu_bundles`` reports."""
+    log, started = [], []
+    monkeypatch.setattr(placement, "RayTrainGroup", lambda *a, **k: _RecordingGroup(log, *a, **k))
+    monkeypatch.setattr(placement, "use_gpu_bundles", lambda: use_gpu)
+    args = _args("dmd2", 2, "--num-cpus-per-rank", "2")
+    groups = placement.create_training_models(args, compute_trainer_configs(args), {"actor": (None, [0, 1])}, started)
+    assert list(groups) == ["critic", "actor"] and [g.start_rollout_id for g in groups.values()] == [0, 0]
+    assert started == [("actor", f"{role} rank {rank}") for role in ("critic", "actor") for rank in (0, 1)]
+    # Colocated on GPUs, the critic sleeps before the actor loads; the actor, whose turn comes first, stays awake.
+    critic = ["critic init starts", "critic init done", *(["critic sleep starts", "critic sleep done"] * use_gpu)]
+    assert log == [*critic, "actor init starts", "actor init done"]
+    if use_gpu:  # an order that does not end with the actor: the last group sleeps too and the actor wakes
+        log.clear()
+        placement.create_training_models(args, compute_trainer_configs(args)[::-1], {"actor": (None, [0, 1])})
+        assert log == ["actor init starts", "actor init done", "actor sleep starts", "actor sleep done",
+                       "critic init starts", "critic init done", "critic sleep starts", "critic sleep done",
+                       "actor wake_up starts", "actor wake_up done"]  # fmt: skip
+
+
 # -- on the session's Ray cluster (4 CPUs, no GPU) -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
