@@ -35,6 +35,7 @@ from torch import nn
 
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 
 __all__ = ["QwenImageFamily", "QwenImagePromptEncoder", "TEXT_TOKENS", "qwen_image_velocity"]
@@ -92,8 +93,7 @@ def qwen_image_velocity(
     Returns:
         The velocity ``v = ε − x0``, float32 ``(B, C, H, W)``.
     """
-    param = next(denoiser.parameters())
-    device, dtype = param.device, param.dtype
+    device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
     batch, _, height, width = latents.shape
     mask = cond["encoder_hidden_states_mask"].to(device) > 0.5
     length = max(int(mask.sum(dim=1).max()), 1)
