@@ -1,4 +1,4 @@
-"""Mixed precision as a bf16 run on GPUs meets it (issue 30, items 4 and 5), recreated on the CPU: real FSDP2 with
+"""Mixed precision as a bf16 run on GPUs meets it (issue 30, items 4, 5 and 12), recreated on the CPU: real FSDP2 with
 a bf16 ``MixedPrecisionPolicy`` over gloo at 2 ranks (two spawned processes, as NCCL ranks on two GPUs) and
 ``torch.autocast`` at 1 rank (this process, as on one GPU), real diffusers models (the tiny SD3 and Wan pipelines),
 real peft adapters and the real DMD2 GAN head.
@@ -9,6 +9,9 @@ real peft adapters and the real DMD2 GAN head.
   exception).
 * Wan keeps ``time_embedder``, ``scale_shift_table``, ``norm1``-``norm3`` in float32 (item 5) in the trainable
   student, a LoRA critic's base and the teacher, at 1 and 2 ranks, and under autocast without a mesh.
+* FSDP2 fixes a unit's mixed-precision dtypes at its first forward (item 12, pytorch/pytorch#186998): a first forward
+  as the teacher (adapters off, under no_grad) or as the GAN generator gradient (the head's first forward) is followed
+  by a trained step whose gradients equal those of a trained first forward.
 """
 
 from datetime import timedelta
@@ -17,25 +20,37 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from miles.backends.fsdp_utils.converters import LoraAdapter
+from miles.backends.fsdp_utils.loss_hub.gan import (
+    DISC_HEAD,
+    build_discriminator,
+    generator_gan_gradient,
+    pooled_embedding,
+)
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import (
     compute_context,
     load_frozen_denoiser,
     load_trainable_denoiser,
     reshard,
+    shard_model,
 )
 from miles.models import get_model_family
 from miles.models.base import DENOISER
 from miles.models.lora import AdaptersDisabled, LoraSettings
 from miles.models.precision import keep_fp32_names, keeps_fp32
 from miles.utils.misc import make_generator
-from tests.support.trainer import free_port
+from miles.utils.sampling import forward_process
+from tests.support.trainer import dmd2_args, free_port
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 # bf16 rounds them to 936, 752 and 334.
 TIMESTEPS = [937.5, 750.0, 333.3]
+# the trainer's default layout: parameters gathered through a phase (model.py), resharded at its end
+ZERO2 = {"reshard_after_forward": False}
 LORA = LoraSettings(rank=4, alpha=4.0, target_modules=("to_q", "to_v"), dropout=0.0)
 # the tiny pipelines' shapes: SD3 latents (4, 8, 8), text (12, 32), pooled 32; Wan latents (4, 2, 4, 4), text (8, 16)
 SD3_INPUTS = {"latents": (4, 8, 8), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
@@ -108,6 +123,47 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     return {name: param.grad.full_tensor() for name, param in model.named_parameters() if param.grad is not None}
 
 
+def _frozen_first(family_path: str, mesh) -> dict:
+    """Item 12's orders on a 2-rank bf16 group: the gradients of one trained step after a first forward that ran
+    frozen, beside those after a trained first forward (same seeded weights, adapters and head)."""
+    family = get_model_family(family_path)
+    latents, timestep, cond = _inputs(SD3_INPUTS, batch=2)
+    out = {}
+    # A LoRA critic on the teacher's weights: the teacher is its base with the adapters off.
+    for order in ("trained", "teacher"):
+        torch.manual_seed(0)  # peft draws lora_A from the global RNG
+        critic = load_trainable_denoiser(family, family_path, mesh, CPU, BF16, [LoraAdapter(LORA, BF16)], **ZERO2)
+        if order == "teacher":
+            with torch.no_grad():
+                family.predict_velocity(AdaptersDisabled(critic), latents, timestep, cond)
+            reshard(critic)
+        family.predict_velocity(critic, latents, timestep, cond).pow(2).mean().backward()
+        out[f"lora/{order}"] = _gradients(critic)
+    # A full-weight critic and the DMD2 GAN head: the generator's GAN gradient runs before the critic's first step
+    # with --dmd2-critic-scoring original, so it is the head's first forward.
+    args = dmd2_args(
+        hf_checkpoint=family_path, diffusion_model_family=None, dmd2_gan_feature_blocks=None, dmd2_gan_projection=True
+    )
+    sigma = torch.tensor([0.75, 0.25], dtype=torch.float64)
+    noise = torch.randn(latents.shape, generator=make_generator("test_mixed_precision_noise", 0))
+    for order in ("trained", "generator"):
+        torch.manual_seed(0)  # the head's initial weights
+        critic = load_trainable_denoiser(family, family_path, mesh, CPU, BF16, **ZERO2)
+        head = build_discriminator(args, {DENOISER: critic})[DISC_HEAD]
+        shard_model(head, [], mesh, BF16, cast_forward_inputs=True, **ZERO2)
+        ctx = TrainContext(args, {DENOISER: critic, DISC_HEAD: head}, {}, {}, family, CPU, BF16, rollout_id=0)
+        if order == "generator":
+            generator_gan_gradient(ctx, latents, cond, sigma, timestep[:2], noise)
+            reshard(critic)
+            reshard(head)
+        # The critic's GAN step: one forward whose velocity and tapped features both enter the loss.
+        velocity = ctx.predict_velocity(critic, forward_process(latents, sigma, noise), timestep[:2], cond)
+        logits = head(head.tap.features, pooled_embedding(head, cond))
+        (velocity.pow(2).mean() + F.softplus(logits).mean()).backward()
+        out[f"gan/{order}"] = {**_gradients(critic), **{f"head.{k}": v for k, v in _gradients(head).items()}}
+    return out
+
+
 def _two_ranks(rank: int, port: int, pipelines: dict, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -120,6 +176,7 @@ def _two_ranks(rank: int, port: int, pipelines: dict, results) -> None:
         parts = {
             "sd3": lambda: _predictions(pipelines["sd3"], mesh, SD3_INPUTS),
             "wan": lambda: _predictions(pipelines["wan"], mesh, WAN_INPUTS),
+            "frozen_first": lambda: _frozen_first(pipelines["sd3"], mesh),
         }
         out = {}
         for name, part in parts.items():
@@ -199,3 +256,18 @@ def test_without_a_mesh_autocast_leaves_wans_float32_modules_in_float32(pipeline
     with torch.no_grad(), compute_context(student, BF16, CPU):
         family.predict_velocity(student, latents, timestep, cond)
     assert outputs == {"time": torch.float32, "to_q": BF16}
+
+
+def test_a_first_forward_that_runs_frozen_leaves_the_trained_step_intact(two_ranks):
+    """Item 12 at 2 ranks in bf16: after a first forward as the teacher (a LoRA critic's base, adapters off, no_grad)
+    or as the GAN generator gradient (the head's first forward), one trained step gives the gradients of a trained
+    first forward, bit for bit (the GAN order once failed: 'attempting to assign a gradient with dtype BFloat16 to a
+    tensor with grad_dtype Float')."""
+    results = _part(two_ranks, "frozen_first")
+    for kind, frozen in (("lora", "teacher"), ("gan", "generator")):
+        trained, after = results[f"{kind}/trained"], results[f"{kind}/{frozen}"]
+        assert trained and set(after) == set(trained)
+        assert {grad.dtype for grad in trained.values()} == {torch.float32}
+        assert any(grad.abs().sum() > 0 for grad in trained.values())
+        for name, grad in trained.items():
+            assert torch.equal(after[name], grad), f"{kind} after {frozen}: {name}"
