@@ -14,8 +14,8 @@ Exact, counted from the parameters' shapes (a run logs the first four as ``memor
   adapters sit on (the teacher is that base with the adapters disabled), and it is counted here;
 * **EMA**: float32 shadows of the trainables' shards (``--ema-decay``; not among the logged figures);
 * **buffers**: the models' buffers (SD3's position-embedding table: 0.23B elements in SD3.5-Medium), which FSDP
-  does not shard: every rank holds them whole, in float32 for a full-weight trainable model and in the compute dtype
-  for a frozen one or a LoRA base (not among the logged figures).
+  does not shard: every rank holds them whole, in the compute dtype (those a model keeps in float32, Wan's rope
+  tables, in float32: :mod:`miles.models.precision`), trainable or frozen (not among the logged figures).
 
 Estimated, per phase:
 
@@ -77,6 +77,7 @@ from miles.models.memory import (
     shard_bytes,
     shard_numel,
 )
+from miles.models.precision import keep_fp32_names, keeps_fp32
 
 __all__ = [
     "GIB",
@@ -247,6 +248,13 @@ def _gathered(
     return units * c + (extra_numel + trainable_grads) * grad_bytes, (units + teacher_params) * c
 
 
+def _buffer_bytes(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Bytes of ``model``'s buffers as a group stores them (:func:`miles.models.precision.cast_buffers`)."""
+    names = keep_fp32_names(model)
+    sizes = [MASTER_BYTES if keeps_fp32(name, names) else compute_dtype.itemsize for name, _ in model.named_buffers()]
+    return sum(buffer.numel() * size for (_, buffer), size in zip(model.named_buffers(), sizes))
+
+
 def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     """The bytes DP rank ``setting.rank`` of group ``spec`` holds, from its configs on the meta device.
 
@@ -273,11 +281,12 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     frozen = base + (list(teacher.parameters()) if teacher is not None else [])
     frozen_shapes = [tuple(p.shape) for p in frozen]
     c = setting.compute_dtype.itemsize
-    # Buffers follow their module's load dtype (float32 for a trainable model, the compute dtype for a frozen one).
-    buffers = sum(b.numel() for b in model.buffers()) * (c if spec.lora is not None else MASTER_BYTES)
+    # A denoiser's buffers are stored in the compute dtype, those it keeps in float32 in float32, trainable or frozen
+    # (miles.models.precision); the modules a method builds keep their float32 ones.
+    buffers = _buffer_bytes(model, setting.compute_dtype)
     buffers += sum(b.numel() for module in extra_modules.values() for b in module.buffers()) * MASTER_BYTES
     if teacher is not None:
-        buffers += sum(b.numel() for b in teacher.buffers()) * c
+        buffers += _buffer_bytes(teacher, setting.compute_dtype)
 
     params = shard_bytes(trainable_shapes, dp, rank, MASTER_BYTES)
     t_full = sum(math.prod(shape) for shape in trainable_shapes)

@@ -229,7 +229,9 @@ class ModelFamily(Protocol):
         self, denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """One denoiser forward: ``latents`` ``(B, *latent_shape)`` at ``timestep`` float ``(B,)`` in [0, 1000] →
-        the velocity ``v`` as float32 ``(B, *latent_shape)``. Inputs are cast to the denoiser's device and dtype."""
+        the velocity ``v`` as float32 ``(B, *latent_shape)``. The latents and the conditioning are cast to
+        :func:`miles.models.precision.forward_device_dtype` (the compute dtype, whether FSDP, autocast or the stored
+        weights give it); the timestep stays float32, as diffusers' pipelines pass it."""
 
     @abstractmethod
     def blocks(self, denoiser: nn.Module) -> list[nn.Module]:

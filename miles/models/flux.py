@@ -35,6 +35,7 @@ from torch import nn
 from miles.models.base import place_text_encoders
 from miles.models.capabilities import EmbeddedGuidance, PixelCodec, TokenFeatures, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 
 __all__ = ["FluxFamily", "FluxPromptEncoder", "STUDENT_GUIDANCE", "TEXT_TOKENS", "flux_velocity", "latent_ids"]
@@ -109,8 +110,7 @@ def flux_velocity(
     Returns:
         The velocity ``v = ε − x0``, float32 ``(B, C, H, W)``.
     """
-    param = next(denoiser.parameters())
-    device, dtype = param.device, param.dtype
+    device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
     batch, _, height, width = latents.shape
     states = cond["encoder_hidden_states"]
     guidance = None

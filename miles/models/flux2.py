@@ -31,6 +31,7 @@ from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import sigmas_call_scheduler_config
 from miles.models.stock_defaults import read_sample_size
@@ -208,8 +209,7 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     ) -> torch.Tensor:
         """One ``Flux2Transformer2DModel`` forward on ``(B, C, h, w)`` latents at ``timestep`` ∈ [0, 1000]: tokens in
         raster order, σ = timestep / 1000 as the pipeline passes it; returns float32 ``(B, C, h, w)``."""
-        param = next(denoiser.parameters())
-        device, dtype = param.device, param.dtype
+        device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
         batch, channels, height, width = latents.shape
         tokens = latents.to(device, dtype).reshape(batch, channels, height * width).permute(0, 2, 1)
         text = cond["encoder_hidden_states"].to(device, dtype)

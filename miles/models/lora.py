@@ -202,7 +202,8 @@ class AdaptersDisabled(nn.Module):
     The DMD2 critic group's teacher when the critic is a LoRA on the teacher's weights (the field's "one frozen base":
     verl-omni's DMD2 runtime, vvvvvjdy/dmdr): the group holds one copy of the weights. The wrapped model is not a
     registered submodule, so moving, resharding or counting this module's own state touches nothing twice;
-    :meth:`parameters` still yields the base's, for forwards that read the parameters' dtype and device.
+    :meth:`parameters` still yields the base's, for forwards that read the parameters' dtype and device, and
+    :attr:`config` is the base's.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -211,6 +212,11 @@ class AdaptersDisabled(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.lora_model.parameters(recurse)
+
+    @property
+    def config(self):
+        """The base's diffusers config: a family's forward reads it (FLUX.1's ``guidance_embeds``, Wan's patch)."""
+        return self.lora_model.config
 
     def forward(self, *args, **kwargs):
         from peft.tuners.tuners_utils import BaseTunerLayer

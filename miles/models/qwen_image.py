@@ -40,6 +40,7 @@ from torch import nn
 from miles.models.base import place_text_encoders
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.packed_dit import PACK, PackedDiTFamily, pack_latents, unpack_latents
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 
 __all__ = ["QwenImageFamily", "QwenImagePromptEncoder", "TEXT_TOKENS", "norm_rescaled_cfg", "qwen_image_velocity"]
@@ -106,8 +107,7 @@ def qwen_image_velocity(
     Returns:
         The velocity ``v = ε − x0``, float32 ``(B, C, H, W)``.
     """
-    param = next(denoiser.parameters())
-    device, dtype = param.device, param.dtype
+    device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
     batch, _, height, width = latents.shape
     # The cut and the mask-or-None choice set the call's shapes, so the host needs them: read from the mask where it
     # lies on the host (the sampler's cond, a prompt cache's), they cost no wait for the GPU; a mask a caller already

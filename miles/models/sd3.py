@@ -18,6 +18,7 @@ from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import DifferentiablePixels, PixelCodec, TokenFeatures, TrueCFG, module_on
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 
 __all__ = ["SD3Family", "SD3PromptEncoder", "load_sd3_transformer", "sd3_velocity", "sd3_latent_shape"]
@@ -127,8 +128,7 @@ def sd3_velocity(
     Returns:
         The velocity ``v = ε − x0``, float32 ``(B, C, H, W)``.
     """
-    param = next(denoiser.parameters())
-    device, dtype = param.device, param.dtype
+    device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
     kwargs = {key: value.to(device, dtype) for key, value in cond.items()}
     out = denoiser(
         hidden_states=latents.to(device, dtype),

@@ -29,6 +29,7 @@ from torch import nn
 
 from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
+from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
 from miles.models.sampling_schedule import terminal_scheduler_config
 from miles.models.stock_defaults import read_sample_size
@@ -204,8 +205,7 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     ) -> torch.Tensor:
         """One ``WanTransformer3DModel`` forward on ``(B, C, F', h, w)`` latents at ``timestep`` ∈ [0, 1000] (float32,
         per token with ``expand_timesteps``); returns float32 ``(B, C, F', h, w)``."""
-        param = next(denoiser.parameters())
-        device, dtype = param.device, param.dtype
+        device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
         timestep = timestep.to(device, torch.float32)
         if self._expands_timesteps():
             p_t, p_h, p_w = denoiser.config.patch_size

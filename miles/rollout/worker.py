@@ -2,7 +2,10 @@
 
 By default the actor group's ranks generate the rollouts on their own FSDP modules. With ``--rollout-num-gpus N``
 the rollouts run on N replicas of their own instead, each holding an unsharded copy of the student that the actor
-group refreshes after every step (``FSDPTrainRayActor.update_weights``). Replica j generates the shards of DP ranks
+group refreshes after every step (``FSDPTrainRayActor.update_weights``). The copy is stored in ``--train-dtype`` (the
+modules the model keeps in float32 in float32, :mod:`miles.models.precision`), which is what an actor rank's FSDP2
+policy gathers and computes with, so a replica's samples are the actor ranks' samples; a weight update copies the
+CPU tensors into it in place. Replica j generates the shards of DP ranks
 ``j·D/N .. (j + 1)·D/N − 1`` with the same :class:`~miles.rollout.generator.RolloutGenerator` an actor rank uses
 (``--train-only`` data, the converter, the method's side inputs), one box per DP rank.
 
@@ -17,6 +20,7 @@ import ray
 import torch
 
 from miles.models.capabilities import decode_latents
+from miles.models.precision import cast_to_compute_dtype, resolve_dtype
 from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import LocalCollectives
 from miles.utils.device import worker_device
@@ -32,10 +36,11 @@ class RolloutEngineWorker:
     """One engine replica. Construct empty; ``init`` loads the student (so Ray can place the actor first)."""
 
     def init(self, args: Any, num_threads: int | None = None) -> None:
-        """Load the family, the student (``--hf-checkpoint``) on this replica's device, the converter.
+        """Load the family, the student (``--hf-checkpoint``) in ``--train-dtype`` on this replica's device, the
+        converter.
 
         Raises:
-            ValueError: on a bad converter or step-strategy path.
+            ValueError: on a bad converter or step-strategy path, or an unknown ``--train-dtype``.
         """
         from miles.models import get_model_family
 
@@ -45,7 +50,12 @@ class RolloutEngineWorker:
         self.args = args
         self.device = worker_device()
         self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-        denoiser = self.family.load_denoiser(args.hf_checkpoint, dtype=torch.float32).to(self.device)
+        dtype = resolve_dtype(args.train_dtype)
+        # No float32 master copy (nothing trains here) and no autocast: the stored weights are the compute dtype's, as
+        # the actor ranks' FSDP2 policy gathers them; buffers and kept modules as miles.models.precision says.
+        denoiser = self.family.load_denoiser(args.hf_checkpoint, dtype=dtype).eval().requires_grad_(False)
+        cast_to_compute_dtype(denoiser, dtype)
+        denoiser.to(self.device)
         self.generator = RolloutGenerator(
             args, self.family, denoiser, device=self.device, collectives=LocalCollectives(), group="engine replica"
         )
@@ -71,18 +81,23 @@ class RolloutEngineWorker:
         return decode_latents(self.family, latents, self.device)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the student's full (unsharded) state dict of CPU tensors.
+        """Load the student's full (unsharded) state dict of CPU tensors in place: each tensor is copied into the
+        replica's own parameter or buffer (``copy_`` converts device and dtype one tensor at a time), so no second
+        copy of the model is ever built on the device.
 
         Raises:
-            RuntimeError: when keys are missing or unexpected (the trainer and the engine hold different models).
+            RuntimeError: when keys are missing or unexpected (the trainer and the engine hold different models);
+                nothing is copied then.
         """
-        denoiser = self.generator.denoiser
-        dtype = next(denoiser.parameters()).dtype
-        state_dict = {key: value.to(self.device, dtype) for key, value in state_dict.items()}
-        missing, unexpected = denoiser.load_state_dict(state_dict, strict=False)
+        targets = self.generator.denoiser.state_dict(keep_vars=True)
+        missing = sorted(set(targets) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(targets))
         if missing or unexpected:
             raise RuntimeError(
                 f"update_weights: the student state dict does not match the engine's denoiser (missing "
                 f"{missing[:5]}, unexpected {unexpected[:5]}); were --hf-checkpoint and the trainer's model built "
                 "from the same pipeline?"
             )
+        with torch.no_grad():
+            for key, target in targets.items():
+                target.copy_(state_dict[key])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from miles.models import DENOISER, ModelFamily, TokenFeatures, TrueCFG
+from miles.models.precision import forward_device_dtype
 
 
 class ToyPromptEncoder:
@@ -63,11 +64,11 @@ class ToyVideoFamily(ModelFamily, TrueCFG, TokenFeatures):
         return {**super().compatibility_signature(path), "text width (text_dim)": config["text_dim"]}
 
     def predict_velocity(self, denoiser, latents, timestep, cond) -> torch.Tensor:
-        param = next(denoiser.parameters())
+        device, dtype = forward_device_dtype(denoiser)  # the timestep stays float32
         out = denoiser(
-            hidden_states=latents.to(param.device, param.dtype),
-            timestep=timestep.to(param.device, torch.float32),
-            encoder_hidden_states=cond["encoder_hidden_states"].to(param.device, param.dtype),
+            hidden_states=latents.to(device, dtype),
+            timestep=timestep.to(device, torch.float32),
+            encoder_hidden_states=cond["encoder_hidden_states"].to(device, dtype),
             return_dict=False,
         )[0]
         return out.float()

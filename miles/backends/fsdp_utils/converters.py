@@ -15,6 +15,7 @@ from torch import nn
 
 from miles.models.base import DENOISER
 from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, lora_settings
+from miles.models.precision import cast_to_compute_dtype, resolve_dtype
 
 __all__ = [
     "GradientCheckpointing",
@@ -59,7 +60,8 @@ class LoraAdapter:
     diffusers' adapter API before sharding (torchtitan's ``components/lora`` converter does the same).
 
     The base weights are frozen and cast to the compute dtype (nothing updates them, so they need no float32 master
-    copy); the adapter's ``lora_A`` / ``lora_B`` stay float32 and are all the optimizer, the EMA and the gradient clip
+    copy), except those the model keeps in float32 (``_keep_in_fp32_modules``, :mod:`miles.models.precision`); the
+    adapter's ``lora_A`` / ``lora_B`` stay float32 and are all the optimizer, the EMA and the gradient clip
     see. A checkpoint keeps only the adapter of the denoiser (and every other trainable module, e.g. the GAN head):
     the base reloads from ``--hf-checkpoint``.
 
@@ -74,8 +76,9 @@ class LoraAdapter:
     def convert(self, name: str, module: nn.Module) -> None:
         if name != self.component:
             return
-        # nn.Module's own cast: diffusers' ModelMixin.to warns about fp32-kept modules, which the base has none of.
-        nn.Module.to(module, self.compute_dtype)
+        # What from_pretrained(torch_dtype=...) gives: the modules the model keeps in float32 (Wan's time embedder,
+        # norms and modulation tables) stay float32, as in the teacher the base also serves as.
+        cast_to_compute_dtype(module, self.compute_dtype)
         add_lora_adapter(
             module,
             ADAPTER_NAME,
@@ -97,8 +100,6 @@ class LoraAdapter:
 def build_converters(args) -> list[ModelConverter]:
     """The converters a group's args ask for, in the order they apply: LoRA first (gradient checkpointing then
     wraps the blocks that hold the adapters)."""
-    from miles.backends.fsdp_utils.model import resolve_dtype
-
     converters: list[ModelConverter] = []
     settings = lora_settings(args)
     if settings is not None:

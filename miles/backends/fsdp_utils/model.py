@@ -9,7 +9,12 @@ shards. A group of one is not wrapped and reads the whole model onto its device,
 
 With one DP rank the module is not wrapped at all, as torchtitan does with ``dp_shard = 1``: sharding over one rank
 only adds copies and hooks (a digits step measured 1.7× slower wrapped). Mixed precision then comes from
-``torch.autocast`` instead of FSDP's ``MixedPrecisionPolicy`` (torchtitan's ``maybe_enable_amp``).
+``torch.autocast`` instead of FSDP's ``MixedPrecisionPolicy`` (torchtitan's ``maybe_enable_amp``). Both follow the
+rules of :mod:`miles.models.precision` (the timestep stays float32, ``_keep_in_fp32_modules``, buffers), so they
+compute the same function, with one difference: autocast runs the matmuls in bf16 from the float32 weights but leaves
+a parameter used outside a matmul (a norm's weight: SD3.5's and Wan's q/k RMSNorm) in float32, where FSDP2 gathers it
+in bf16. A model without such parameters (SD3, FLUX.1) is bit-identical at 1 and N ranks; the tiny Wan with random
+weights differs by 0.5 % of the velocity, bf16 rounding.
 
 Two sharding modes (``--fsdp-reshard-every-microbatch``):
 
@@ -36,6 +41,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from miles.backends.fsdp_utils.converters import ModelConverter
 from miles.backends.fsdp_utils.weights import checkpoint_names, load_weights
 from miles.models.base import DENOISER
+from miles.models.precision import (
+    TRAIN_DTYPES,
+    cast_buffers,
+    exempt_from_autocast,
+    keep_fp32_names,
+    kept_modules,
+    resolve_dtype,
+    set_compute_dtype,
+)
 
 __all__ = [
     "TRAIN_DTYPES",
@@ -51,15 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """``--train-dtype`` name → torch dtype. Raises ValueError naming the flag on an unknown name."""
-    if name not in TRAIN_DTYPES:
-        raise ValueError(f"--train-dtype {name!r} is not one of {sorted(TRAIN_DTYPES)}")
-    return TRAIN_DTYPES[name]
-
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a ``fully_shard``-ed module."""
@@ -72,24 +77,93 @@ def shard_model(
     mesh: DeviceMesh,
     compute_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
+    cast_forward_inputs: bool = False,
 ) -> nn.Module:
-    """Apply ``fully_shard`` to each block, then the root, on the 1-D data-parallel ``mesh``.
+    """Apply ``fully_shard`` to each block, then the root, on the 1-D data-parallel ``mesh``; the modules the model
+    keeps in float32 (``_keep_in_fp32_modules``, :mod:`miles.models.precision`) get units of their own with a float32
+    policy first.
+
+    A unit all-gathers its parameters in one dtype and reduce-scatters gradients of one dtype, so a module kept in
+    float32 (Wan's ``time_embedder``, ``norm2``) is a unit of its own, and a module that directly holds a kept
+    parameter (Wan's blocks and root hold ``scale_shift_table``) becomes a float32 unit whose children are units of
+    the compute dtype. Without a low compute dtype (None, float32) there is nothing to keep and no extra unit.
 
     Args:
         compute_dtype: the dtype parameters are all-gathered in for the forward (``MixedPrecisionPolicy``), with
             gradients reduced in float32; None keeps the parameters' own dtype (a frozen model already stored in
-            the compute dtype).
+            the compute dtype, its kept modules in float32).
         reshard_after_forward: free the gathered parameters after each forward (FSDP2's default); False keeps them
             until :func:`reshard` or the end of a backward.
+        cast_forward_inputs: FSDP2's cast of the floating forward inputs to ``compute_dtype``. Off for a denoiser:
+            its family casts latents and conditioning and keeps the timestep float32 (FSDP2's cast would round a
+            timestep of 937.5 to 936 in bf16); on for a module a method builds (the DMD2 GAN head), which has no
+            family to cast for it.
 
     Returns:
         The same module, now an ``FSDPModule`` whose parameters are sharded DTensors.
     """
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    policy = MixedPrecisionPolicy(
+        param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs
+    )
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs
+    )
+    units: dict[nn.Module, MixedPrecisionPolicy] = {block: policy for block in blocks}
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        units.update(_fp32_units(model, policy, fp32))
+    units[model] = units.get(model, policy)
+    # Reversed pre-order: every unit is wrapped before any unit above it, as fully_shard requires.
+    for _, module in reversed(list(model.named_modules())):
+        if module in units:
+            fully_shard(module, mesh=mesh, mp_policy=units[module], reshard_after_forward=reshard_after_forward)
+    set_compute_dtype(model, compute_dtype)
     return model
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _fp32_units(
+    model: nn.Module, policy: MixedPrecisionPolicy, fp32: MixedPrecisionPolicy
+) -> dict[nn.Module, MixedPrecisionPolicy]:
+    """The units :func:`shard_model` adds for the modules ``model`` keeps in float32: each kept module that holds
+    parameters (``fp32``), and each module that directly holds kept parameters (``fp32``) with its children that hold
+    parameters (``policy``; containers such as ``nn.ModuleList`` are never called, so their items instead). Logs a
+    warning for a module that directly holds kept and other parameters: they stay together in the compute dtype."""
+    names = keep_fp32_names(model)
+    kept = kept_modules(model)
+    units = {module: fp32 for _, module in kept if _holds_parameters(module)}
+    for name, module in model.named_modules():
+        if any(name == outer or name.startswith(outer + ".") for outer, _ in kept):
+            continue
+        own = [param_name for param_name, _ in module.named_parameters(recurse=False)]
+        held = [param_name for param_name in own if param_name in names]
+        if not held:
+            continue
+        if len(held) != len(own):
+            logger.warning(
+                "%s holds parameters kept in float32 (%s) beside others; FSDP gathers them all in the compute dtype",
+                name or type(model).__name__,
+                ", ".join(held),
+            )
+            continue
+        units[module] = fp32
+        for child in _called_children(module):
+            units.setdefault(child, policy)
+    return units
+
+
+def _called_children(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module`` that hold parameters, through containers (``nn.ModuleList``, ``nn.ModuleDict``:
+    never called themselves, so a unit on one would never gather)."""
+    children = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            children += _called_children(child)
+        elif _holds_parameters(child):
+            children.append(child)
+    return children
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
@@ -115,7 +189,8 @@ def window_sync(model: nn.Module, last_micro_batch: bool) -> None:
 
 def compute_context(model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
     """The context a forward of ``model`` runs in: ``torch.autocast`` to ``compute_dtype`` for an unsharded model
-    trained in low precision (FSDP casts sharded parameters itself), else a no-op."""
+    trained in low precision (FSDP casts sharded parameters itself), else a no-op. The modules the model keeps in
+    float32 run with autocast off (:func:`miles.models.precision.exempt_from_autocast`, set at load)."""
     if is_sharded(model) or compute_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=compute_dtype)
@@ -154,6 +229,10 @@ def _load(
     # Each rank's shards (or, unwrapped, the whole model) on the device, read from the files tensor by tensor.
     ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
     load_weights(model, family.denoiser_weight_files(path), device, names, ignore_unexpected=ignore)
+    # miles.models.precision, once the weights are in: buffers in the compute dtype (a frozen model is loaded in it),
+    # the modules the model keeps in float32 out of autocast.
+    cast_buffers(model, compute_dtype or load_dtype)
+    exempt_from_autocast(model)
     return model
 
 

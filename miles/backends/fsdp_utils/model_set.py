@@ -158,7 +158,15 @@ def _built_modules(
             converter.convert(name, module)
         module.to(device)
         if mesh is not None and mesh.size() > 1:
-            shard_model(module, [], mesh, dtype, reshard_after_forward=args.fsdp_reshard_every_microbatch)
+            # A built module has no family to cast its inputs (the DMD2 GAN head's pooled prompt embedding): FSDP does.
+            shard_model(
+                module,
+                [],
+                mesh,
+                dtype,
+                reshard_after_forward=args.fsdp_reshard_every_microbatch,
+                cast_forward_inputs=True,
+            )
     return built
 
 

@@ -24,6 +24,7 @@ from miles.driver.memory_plan import (
 )
 from miles.models.lora import add_lora_adapter
 from miles.models.memory import ActivationEstimate
+from miles.models.precision import cast_buffers
 from tests.support.trainer import make_pipeline
 
 TINY_SD3 = {
@@ -62,7 +63,9 @@ def test_full_weights_count_the_real_modules_bytes_exactly():
     assert plan.frozen == _nbytes(teacher.parameters())  # the teacher in the compute dtype
     assert plan.optimizer == _adamw_state_bytes(critic)  # two moments and a step count per tensor
     assert plan.trainable_numel == plan.frozen_numel == sum(p.numel() for p in critic.parameters())
-    # the position-embedding buffer, whole on every rank: float32 in the critic, bf16 in the teacher
+    # the position-embedding buffer, whole on every rank, in the compute dtype in the critic too (as the trainer
+    # stores it: miles.models.precision.cast_buffers)
+    cast_buffers(critic, torch.bfloat16)
     assert plan.buffers == _nbytes(critic.buffers()) + _nbytes(teacher.buffers()) > 0
 
 

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from miles.backends.fsdp_utils.converters import LoraAdapter
 from miles.models import get_model_family
+from miles.models.base import DENOISER
 from miles.models.flux import TEXT_TOKENS, FluxFamily
+from miles.models.lora import ADAPTER_NAME, AdaptersDisabled, LoraSettings, adapter_parameters
 from miles.models.packed_dit import unpack_latents
 from miles.models.sampling_schedule import stock_sampling_kwargs, write_sampling_schedule
 from miles.models.stock_defaults import write_sample_size
@@ -103,6 +106,28 @@ def test_the_teacher_is_guided_through_its_guidance_input_as_the_stock_pipeline_
         atol=0,
         rtol=0,
     )
+
+
+def test_a_lora_critics_teacher_is_its_base_through_the_family(pipelines):
+    """The teacher of a LoRA critic on the teacher's weights is the base with the adapters off; the flux forward reads
+    the transformer's config (``guidance_embeds``), which that view once lacked (an AttributeError at scoring)."""
+    path = pipelines["dev"]
+    family = get_model_family(path)
+    base = family.load_denoiser(path)
+    torch.manual_seed(0)
+    lora = family.load_denoiser(path)
+    LoraAdapter(LoraSettings(rank=4, alpha=4.0, target_modules=("to_q",), dropout=0.0), torch.float32).convert(
+        DENOISER, lora
+    )
+    with torch.no_grad():
+        for _, param in adapter_parameters(lora, ADAPTER_NAME):
+            param.normal_(std=0.1, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(LATENT, generator=torch.Generator().manual_seed(3))
+        cond = family.encode_prompts(family.load_text_encoder(path), PROMPTS)
+        timestep = torch.full((LATENT[0],), 750.0)
+        expected = family.predict_velocity(base, noise, timestep, cond)
+        assert torch.equal(family.predict_velocity(AdaptersDisabled(lora), noise, timestep, cond), expected)
+        assert not torch.equal(family.predict_velocity(lora, noise, timestep, cond), expected)
 
 
 def test_latents_decode_as_the_stock_pipeline_decodes_and_encode_as_its_img2img(pipelines, dev):

@@ -360,25 +360,20 @@ def generator_gan_gradient(
     noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g_gan = ∂ softplus(−D(noise(x0))) / ∂x0`` per pair, by autograd through the critic and the head with their
-    weights untouched (their ``requires_grad`` is off for the pass, so no gradient reaches them).
+    weights untouched: ``torch.autograd.grad`` with respect to ``x0`` alone computes no weight gradient and
+    accumulates none. Their ``requires_grad`` is left as it is: FSDP2 fixes a unit's mixed-precision dtypes from the
+    ``requires_grad`` its parameters have at its first forward (pytorch/pytorch#186998), and this pass may be the
+    head's first forward (``--dmd2-critic-scoring original`` with one critic step per rollout scores before the
+    critic's first step), whose training backward would then fail in bf16.
 
     Returns:
         ``(g_gan float32 (B, C, H, W), logits float32 (B,))``; each pair's gradient is its own loss's (the sum over
         the batch does not couple them).
     """
-    modules = [ctx.models[DENOISER], ctx.models[DISC_HEAD]]
-    flags = [[param.requires_grad for param in module.parameters()] for module in modules]
-    for module in modules:
-        module.requires_grad_(False)
-    try:
-        with torch.enable_grad():
-            x0 = x0.detach().float().requires_grad_(True)
-            logits = discriminator_logits(ctx, x0, cond, sigma, timestep, noise)
-            (grad,) = torch.autograd.grad(F.softplus(-logits).sum(), x0)
-    finally:
-        for module, module_flags in zip(modules, flags):
-            for param, flag in zip(module.parameters(), module_flags):
-                param.requires_grad_(flag)
+    with torch.enable_grad():
+        x0 = x0.detach().float().requires_grad_(True)
+        logits = discriminator_logits(ctx, x0, cond, sigma, timestep, noise)
+        (grad,) = torch.autograd.grad(F.softplus(-logits).sum(), x0)
     return grad.detach(), logits.detach()
 
 
