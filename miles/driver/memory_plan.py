@@ -346,9 +346,10 @@ def format_count(count: int) -> str:
 
 
 def _group_lora(group_args) -> LoraSpec | None:
-    from miles.models.lora import lora_settings
+    from miles.models.lora import LoraFlags
 
-    settings = lora_settings(group_args)
+    a = group_args
+    settings = LoraFlags(a.lora_rank, a.lora_alpha, a.lora_target_modules, a.lora_dropout).settings()
     return None if settings is None else LoraSpec(settings.rank, settings.target_modules)
 
 

@@ -158,7 +158,7 @@ def validate_args(args: argparse.Namespace) -> None:
 def validate_lora_args(args: argparse.Namespace) -> None:
     """The student's ``--lora-*`` flags (:func:`miles.models.lora.check_lora_flags`); a LoRA flag without
     ``--lora-rank`` is rejected, as it would change nothing."""
-    from miles.models.lora import check_lora_flags
+    from miles.models.lora import LoraFlags, check_lora_flags
 
     if not args.lora_rank:
         for name, value, default in (
@@ -168,7 +168,11 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         ):
             if value != default:
                 reject(f"{name} is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank")
-    check_lora_flags("--", args, args.hf_checkpoint)
+    check_lora_flags(
+        "--",
+        LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout),
+        args.hf_checkpoint,
+    )
     if args.save_hf_lora and not (args.save_hf and args.lora_rank):
         reject("--save-hf-lora writes the student's adapter beside --save-hf: it needs --save-hf and --lora-rank")
     if args.lora_rank and args.rollout_num_gpus:

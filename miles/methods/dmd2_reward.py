@@ -13,13 +13,13 @@ import argparse
 
 from miles.backends.fsdp_utils.frozen_trainer import FrozenGroupTrainer
 from miles.backends.fsdp_utils.loss_hub import reward as reward_loss
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Settings, dmd2_settings
 from miles.methods.base import PhaseWork, hook_path
 from miles.utils.trainer_config import TrainerConfig
-from miles.utils.validation import check_number, reject
+from miles.utils.validation import reject
 
 __all__ = [
     "REWARD_GROUP_OVERRIDES",
-    "add_reward_arguments",
     "check_reward_family",
     "reward_enabled",
     "reward_trainer_config",
@@ -42,37 +42,18 @@ REWARD_GROUP_OVERRIDES = {
 
 def reward_enabled(args: argparse.Namespace) -> bool:
     """The reward group runs when the reward term has a weight."""
-    return args.dmd2_reward_weight > 0
+    return dmd2_settings(args).reward_enabled
 
 
-def add_reward_arguments(group) -> None:
-    """The DMDR flags, in the DMD2 argument group."""
-    group.add_argument(
-        "--dmd2-reward-weight",
-        type=float,
-        default=0.0,
-        help="DMDR: w of the reward term; the student's x0 gradient gains −w·∂reward/∂x̂0 from a frozen reward group "
-        "(0 = off: no reward group).",
-    )
-    group.add_argument(
-        "--dmd2-reward-function-path",
-        type=str,
-        default=None,
-        help="DMDR: the reward hook fn(images, prompts) -> rewards by dotted path; images float32 (B, C, H, W) in "
-        "[0, 1] with autograd, rewards (B,), higher is better (digits: miles.eval.digits.reward.digit_log_prob).",
-    )
-
-
-def validate_reward_args(args: argparse.Namespace) -> None:
-    """Reject reward flags that cannot run.
+def validate_reward_args(settings: DMD2Settings) -> None:
+    """Reject reward flags that cannot run (the weight's range is its field's check).
 
     Raises:
         ArgumentValidationError: one line naming the flags.
     """
-    check_number("--dmd2-reward-weight", args.dmd2_reward_weight, low=0)
-    if reward_enabled(args) and not args.dmd2_reward_function_path:
+    if settings.reward_enabled and not settings.reward_function_path:
         reject("--dmd2-reward-weight > 0 needs --dmd2-reward-function-path (fn(images, prompts) -> rewards)")
-    if args.dmd2_reward_function_path and not reward_enabled(args):
+    if settings.reward_function_path and not settings.reward_enabled:
         reject(
             "--dmd2-reward-function-path is read by the reward group only: set --dmd2-reward-weight > 0, or remove it"
         )

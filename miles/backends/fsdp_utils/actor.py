@@ -35,7 +35,7 @@ from miles.backends.fsdp_utils.export import write_pipeline
 from miles.backends.fsdp_utils.hooks import load_hooks
 from miles.backends.fsdp_utils.trainer import GroupTrainer, group_trainer_class, timed
 from miles.models.capabilities import decode_latents
-from miles.models.lora import lora_settings
+from miles.models.lora import LoraFlags
 from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import ProcessGroupCollectives
 from miles.utils.device import worker_device
@@ -333,6 +333,7 @@ class FSDPTrainRayActor:
             CheckpointWriteError: if the directory cannot be written (a full disk); nothing at ``out_dir`` changed.
         """
         state_dict = self.get_full_state_dict(eval_weights=True)
+        a = self.args
         if self.rank == 0:
             bad = [key for key, value in state_dict.items() if not torch.isfinite(value).all()]
             if bad:
@@ -347,7 +348,7 @@ class FSDPTrainRayActor:
                 schedule,
                 overwrite=self.args.overwrite_save_hf,
                 run_paths=run_paths or [],
-                lora=lora_settings(self.args),
+                lora=LoraFlags(a.lora_rank, a.lora_alpha, a.lora_target_modules, a.lora_dropout).settings(),
                 save_lora=self.args.save_hf_lora,
             )
             logger.debug("exported %s pipeline to %s", self.role, out_dir)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from miles.models.base import DENOISER
-from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, lora_settings
+from miles.models.lora import ADAPTER_NAME, LoraFlags, LoraSettings, adapter_parameters, add_lora_adapter
 from miles.models.precision import cast_to_compute_dtype, resolve_dtype
 
 __all__ = [
@@ -101,7 +101,7 @@ def build_converters(args) -> list[ModelConverter]:
     """The converters a group's args ask for, in the order they apply: LoRA first (gradient checkpointing then
     wraps the blocks that hold the adapters)."""
     converters: list[ModelConverter] = []
-    settings = lora_settings(args)
+    settings = LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout).settings()
     if settings is not None:
         converters.append(LoraAdapter(settings, resolve_dtype(args.train_dtype)))
     if args.gradient_checkpointing:

@@ -392,7 +392,10 @@ def test_dmd2_actor_copy_differs_only_by_dropping_the_teacher():
 
 
 def test_critic_lora_flags_default_to_the_students_and_map_onto_the_critic_group():
-    from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, LoraSettings, lora_settings
+    from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, LoraFlags, LoraSettings
+
+    def lora_settings(a):
+        return LoraFlags(a.lora_rank, a.lora_alpha, a.lora_target_modules, a.lora_dropout).settings()
 
     args = parse_args([*DMD2, "--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "to_q,to_v"])
     critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
