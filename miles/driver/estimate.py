@@ -8,7 +8,7 @@ the SD3.5-Medium recipe's figures. The count:
 - one denoiser forward of one sample, counted by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and
   attention) on the meta device, from the pipeline's own ``transformer/config.json`` at its latent size and the
   family's ``text_tokens`` (SD3: 77 CLIP + 256 T5 tokens; digits: its ``max_length``), so no weight is read;
-- each phase's forwards and backwards per rank from :func:`miles.driver.plan.work_per_rank`, a backward counted as
+- each phase's forwards and backwards per rank from :func:`miles.driver.work.work_per_rank`, a backward counted as
   two forwards (and one more forward per backward with ``--gradient-checkpointing``). The rollout phase counts every
   step of the schedule for every sample (DMD2 samples stop at a random step, so it is an upper bound);
 - seconds = FLOPs / (MFU × the device's dense bf16 peak). The MFU is an assumption (:data:`ASSUMED_MFU`) until
@@ -99,9 +99,10 @@ def _device() -> tuple[str, float]:
     return DEFAULT_DEVICE, PEAK_TFLOPS[DEFAULT_DEVICE]
 
 
-def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Estimate:
-    """The estimate of one rollout for the command ``args`` (see the module docstring)."""
-    from miles.driver.plan import work_per_rank
+def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU, groups: list | None = None) -> Estimate:
+    """The estimate of one rollout for the command ``args`` (see the module docstring); ``groups``: the run's
+    (default: as the flags lay them out)."""
+    from miles.driver.work import work_per_rank
     from miles.models import get_model_family
 
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
@@ -110,16 +111,16 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Esti
     recompute = 1 if args.gradient_checkpointing else 0
     phases = [
         (who, phase.phase, (phase.forwards + (2 + recompute) * phase.backwards) * phase.batch * fwd)
-        for who, phase in work_per_rank(args)
+        for who, phase in work_per_rank(args, groups)
     ]
     device, peak = _device()
     return Estimate(fwd, params, tokens, phases, device, peak, mfu)
 
 
-def log_estimate(args: argparse.Namespace, rollouts: int) -> Estimate | None:
+def log_estimate(args: argparse.Namespace, rollouts: int, groups: list | None = None) -> Estimate | None:
     """Log the estimate of one rollout and of ``rollouts`` of them (None, with a note, when it cannot be made)."""
     try:
-        found = estimate_rollout(args)
+        found = estimate_rollout(args, groups=groups)
     # RuntimeError includes NotImplementedError: a family that does not say its text tokens.
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         logger.info("time estimate: none (%s)", exc)

@@ -35,6 +35,8 @@ their flags do not exist.
 """
 
 import argparse
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +44,16 @@ from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
 from miles.backends.fsdp_utils.loss_hub import gan
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings, dmd2_settings
-from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
+from miles.config import CheckpointSpec, GroupHooks, GroupSpec, UserHooks
+from miles.methods.base import Method, PhaseWork, optimizer_spec, register_method, schedule_spec, student_group
 from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
-from miles.methods.dmd2_reward import (
-    check_reward_family,
-    reward_enabled,
-    reward_trainer_config,
-    reward_work,
-    validate_reward_args,
-)
+from miles.methods.dmd2_reward import check_reward_family, reward_group, reward_work, validate_reward_args
 from miles.models.capabilities import EmbeddedGuidance, TrueCFG, supports
 from miles.models.lora import LoraFlags, check_lora_flags
 from miles.ray.data_conversion_hub import dmd2 as dmd2_conversion
 from miles.rollout import step_strategy_hub
 from miles.utils.flags import add_dataclass_arguments, check_fields
-from miles.utils.trainer_config import TrainerConfig, sibling_dir
+from miles.utils.paths import sibling_dir
 from miles.utils.types import SideInput
 from miles.utils.validation import dp_size, reject, rollout_pairs
 
@@ -70,29 +67,22 @@ __all__ = [
     "validate_dmd2_args",
 ]
 
-DMD2_ACTOR_HOOKS = {
-    "custom_expand_samples_to_train_pairs_path": hook_path(dmd2_conversion.expand_samples_to_train_pairs),
-    "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_generator_batch),
-    "custom_loss_function_path": hook_path(dmd2_loss.dmd2_loss_formula),
-    "diffusion_step_strategy_path": hook_path(step_strategy_hub.stop_at_random_step),
-}
-DMD2_CRITIC_HOOKS = {
-    "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_batch),
-    "custom_loss_function_path": hook_path(sft_loss.sft_loss_formula),
-    "custom_train_output_function_path": hook_path(dmd2_loss.predict_teacher_and_critic_x0),
-}
+# The actor's prepare and loss hooks (seed [DMD2 5/7]).
+DMD2_ACTOR_HOOKS = GroupHooks(prepare=dmd2_loss.prepare_generator_batch, loss=dmd2_loss.dmd2_loss_formula)
+# The critic's: flow matching on x̂0_i, then the scoring ([DMD2 4/7]).
+DMD2_CRITIC_HOOKS = GroupHooks(
+    prepare=dmd2_loss.prepare_critic_batch,
+    loss=sft_loss.sft_loss_formula,
+    train_output=dmd2_loss.predict_teacher_and_critic_x0,
+)
 # Phase 2: the critic holds the GAN head too and trains it beside its flow-matching loss.
-DMD2_GAN_CRITIC_HOOKS = {
-    "custom_build_modules_path": hook_path(gan.build_discriminator),
-    "custom_prepare_train_batch_path": hook_path(dmd2_loss.prepare_critic_gan_batch),
-    "custom_loss_function_path": hook_path(dmd2_loss.critic_gan_loss),
-}
+DMD2_GAN_CRITIC_HOOKS = GroupHooks(
+    prepare=dmd2_loss.prepare_critic_gan_batch, loss=dmd2_loss.critic_gan_loss, build_modules=gan.build_discriminator
+)
 
 
 # The GAN's noise range top when the flag is not given: a different value only changes the GAN head.
 GAN_MAX_TIMESTEP_RATIO = DMD2Settings.gan_max_timestep_ratio
-# The student's LoRA flags (dests) the critic's --critic-* copies default to and map onto in the critic's args.
-CRITIC_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")
 
 
 # The guidance forms a teacher's family declares (args.dmd2_teacher_guidance_form); true CFG when it cannot be read
@@ -296,6 +286,7 @@ def _validate_scoring_sigma(s: DMD2Settings) -> None:
             reject(f"{flag} is read by --dmd2-scoring-sigma {needs} only (got --dmd2-scoring-sigma {rule})")
 
 
+@register_method
 class DMD2Method(Method):
     name = "dmd2"
     description = "distribution matching distillation: critic (fake score) group, then the student"
@@ -309,7 +300,6 @@ class DMD2Method(Method):
         add_dataclass_arguments(group, DMD2Settings)  # one flag per settings field, in field order
 
     def set_defaults(self, args: argparse.Namespace) -> None:
-        fill_defaults(args, DMD2_ACTOR_HOOKS)
         # The critic starts from the teacher at the student's learning rate and LoRA, unless told otherwise.
         if args.critic_load is None:
             args.critic_load = args.teacher_load
@@ -328,24 +318,42 @@ class DMD2Method(Method):
     def validate(self, args: argparse.Namespace) -> None:
         validate_dmd2_args(args)
 
+    def default_hooks(self, args: argparse.Namespace) -> GroupHooks:
+        return DMD2_ACTOR_HOOKS
+
+    def converter(self, args: argparse.Namespace) -> Callable:
+        return dmd2_conversion.expand_samples_to_train_pairs
+
+    def step_strategy(self, args: argparse.Namespace) -> Callable:
+        """DMD2's backward simulation: each sample stops at a random step ([DMD2 3/7])."""
+        return step_strategy_hub.stop_at_random_step
+
+    def guided_pipelines(self, args: argparse.Namespace) -> list[tuple[str, float, str, str]]:
+        scale = dmd2_settings(args).teacher_guidance_scale
+        if scale is None or not args.teacher_load:
+            return []
+        return [("--dmd2-teacher-guidance-scale", scale, "--teacher-load", args.teacher_load)]
+
+    def hook_flags(self, args: argparse.Namespace) -> dict[str, str | None]:
+        return {"dmd2_reward_function_path": dmd2_settings(args).reward_function_path}
+
     def check_inputs(self, args: argparse.Namespace) -> None:
         """``--dmd2-gan-feature-blocks`` name blocks the critic's transformer has (its config's ``num_layers``); the
         reward group's family decodes with autograd."""
         check_reward_family(args)
         _check_norm_rescale(args)
-        if not gan_enabled(args) or not args.dmd2_gan_feature_blocks:
+        s = dmd2_settings(args)
+        if not s.gan_enabled or not s.gan_feature_blocks:
             return
         from miles.models.base import DENOISER, read_json
 
-        config = read_json(Path(args.critic_load) / DENOISER / "config.json", "critic transformer config")
+        config = read_json(Path(s.critic_load) / DENOISER / "config.json", "critic transformer config")
         layers = config.get("num_layers") if isinstance(config, dict) else None
-        for block in args.dmd2_gan_feature_blocks:
+        for block in s.gan_feature_blocks:
             if isinstance(layers, int) and block >= layers:
-                where = (
-                    "--critic-load" if args.critic_load != args.teacher_load else "--teacher-load (the critic's init)"
-                )
+                where = "--critic-load" if s.critic_load != args.teacher_load else "--teacher-load (the critic's init)"
                 reject(
-                    f"--dmd2-gan-feature-blocks holds block {block}, but {where} {args.critic_load} has {layers} "
+                    f"--dmd2-gan-feature-blocks holds block {block}, but {where} {s.critic_load} has {layers} "
                     f"transformer blocks (0..{layers - 1})"
                 )
 
@@ -353,46 +361,68 @@ class DMD2Method(Method):
         """The teacher's guidance: its scale, where it came from, its form and its negative prompt."""
         return [f"teacher guidance: {dmd2_settings(args).teacher_guidance_origin}"]
 
-    def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
+    def groups(self, args: argparse.Namespace, hooks: UserHooks) -> list[GroupSpec]:
         """The critic first, so it catches up with the student that produced the rollout and then scores it for the
-        actor's step (then, with ``--dmd2-reward-weight``, the frozen reward group); the actor's copy drops
-        ``teacher_load`` so only the critic group holds the teacher."""
-        k = args.dmd2_critic_steps_per_rollout
-        critic = {
-            "hf_checkpoint": args.critic_load,
-            "lr": args.critic_lr,
-            "load": sibling_dir(args.load, "_critic"),
-            "save": sibling_dir(args.save, "_critic"),
-            "save_hf": None,
-            # The generator EMA is the student's; the critic tracks the student and keeps no average.
-            "ema_decay": None,
-            "num_steps_per_rollout": k,
-            "global_batch_size": rollout_pairs(args) // k,
-            **DMD2_CRITIC_HOOKS,
-            "train_output_before_step": k - 1 if args.dmd2_critic_scoring == "original" else None,
-        }
-        # Only LoRA runs override the critic's LoRA flags, so a full-weight run's plan lists none of them.
-        if args.critic_lora_rank:
-            critic.update({name: getattr(args, f"critic_{name}") for name in CRITIC_LORA_FLAGS})
-        elif args.lora_rank:
-            critic["lora_rank"] = 0  # a LoRA student beside a full-weight critic
-        if gan_enabled(args):
-            critic.update(DMD2_GAN_CRITIC_HOOKS)
-        reward = [reward_trainer_config()] if reward_enabled(args) else []  # DMDR's frozen group, before the actor
-        return [TrainerConfig("critic", critic), *reward, TrainerConfig("actor", {"teacher_load": None})]
+        actor's step (then, with ``--dmd2-reward-weight``, the frozen reward group); only the critic group holds
+        the teacher.
+
+        The critic starts from ``--critic-load`` at ``--critic-lr`` with its own LoRA (``--critic-lora-*``), trains
+        K = ``--dmd2-critic-steps-per-rollout`` steps per rollout on the same DP shard, keeps no EMA (the student's
+        is the generator's) and checkpoints into ``<load>_critic`` / ``<save>_critic``; its prepare, loss and
+        train-output hooks are DMD2's (the GAN's under phase 2), the user's train-input hook and trainer class
+        apply to it as to the actor."""
+        s = dmd2_settings(args)
+        student = student_group(args, hooks.group.over(DMD2_ACTOR_HOOKS))
+        k = s.critic_steps_per_rollout
+        critic_hooks = dataclasses.replace(
+            DMD2_CRITIC_HOOKS,
+            train_input=hooks.group.train_input,
+            build_modules=hooks.group.build_modules,
+            trainer=hooks.group.trainer,
+        )
+        if s.gan_enabled:
+            critic_hooks = DMD2_GAN_CRITIC_HOOKS.over(critic_hooks)
+        critic = dataclasses.replace(
+            student,
+            role="critic",
+            hooks=critic_hooks,
+            init=s.critic_load,
+            lora=_critic_lora(s).settings(),
+            optimizer=optimizer_spec(args, s.critic_lr),
+            schedule=schedule_spec(args, k),
+            ema=None,  # the generator EMA is the student's; the critic tracks the student and keeps no average
+            checkpoint=CheckpointSpec(load=sibling_dir(args.load, "_critic"), save=sibling_dir(args.save, "_critic")),
+            steps_per_rollout=k,
+            train_output_before_step=k - 1 if s.critic_scoring == "original" else None,
+            # Its init is --critic-load, which defaults to --teacher-load; its teacher is the command's.
+            path_flags={
+                "init": "--teacher-load" if s.critic_load == args.teacher_load else "--critic-load",
+                "teacher": "--teacher-load",
+            },
+        )
+        reward = [reward_group(args, hooks)] if s.reward_enabled else []  # DMDR's frozen group, before the actor
+        return [critic, *reward, dataclasses.replace(student, teacher=None)]
 
     def settings(self, args: argparse.Namespace) -> DMD2Settings:
         return DMD2Settings.from_args(args)
 
     def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
         """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``)."""
-        if not gan_enabled(args):
+        s = dmd2_settings(args)
+        if not s.gan_enabled:
             return []
-        return [SideInput(REAL_DATA, args.dmd2_gan_real_data, "--dmd2-gan-real-data")]
+        return [SideInput(REAL_DATA, s.gan_real_data, "--dmd2-gan-real-data")]
+
+    def eval_data(self, args: argparse.Namespace) -> list[SideInput]:
+        """Phase 2: ``--dmd2-gan-eval-real-data``, the held-out reals of the discriminator's figures."""
+        s = dmd2_settings(args)
+        if not (s.gan_enabled and s.gan_eval_real_data and args.eval_interval):
+            return []
+        return [SideInput(REAL_DATA, s.gan_eval_real_data, "--dmd2-gan-eval-real-data")]
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """The student's few-step schedule and the teacher's CFG scale it was distilled from."""
-        return {**engine, "distilled_guidance_scale": args.dmd2_teacher_guidance_scale}
+        return {**engine, "distilled_guidance_scale": dmd2_settings(args).teacher_guidance_scale}
 
     def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
         """The DMD2 debug grid (:mod:`miles.methods.dmd2_debug`) of fixed eval samples (tianweiy/DMD2 issue #33: to
@@ -407,34 +437,33 @@ class DMD2Method(Method):
     def eval_metrics(self, args: argparse.Namespace, groups: dict, rollout_id: int) -> dict[str, float]:
         """With ``--dmd2-gan-eval-real-data``: the discriminator's prompt AUC, real-vs-fake AUC and mean logits on
         held-out reals (:func:`miles.methods.dmd2_disc_eval.disc_quality`)."""
-        if not (gan_enabled(args) and args.dmd2_gan_eval_real_data):
+        s = dmd2_settings(args)
+        if not (s.gan_enabled and s.gan_eval_real_data):
             return {}
         from miles.methods.dmd2_disc_eval import disc_quality
 
         return disc_quality(args, groups)
 
-    def train_forward_batch(self, group_args: argparse.Namespace) -> int:
+    def train_forward_batch(self, args: argparse.Namespace, group: GroupSpec) -> int:
         """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
         plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
         (``--dmd2-gan-r1-weight``)."""
-        gan_critic = (
-            group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
-        )
-        if not gan_critic:
-            return group_args.micro_batch_size
-        rows = 3 + (group_args.dmd2_gan_mismatch_weight > 0) + (group_args.dmd2_gan_r1_weight > 0)
-        return rows * group_args.micro_batch_size
+        if group.hooks.prepare is not DMD2_GAN_CRITIC_HOOKS.prepare:
+            return group.micro_batch_size
+        s = dmd2_settings(args)
+        rows = 3 + (s.gan_mismatch_weight > 0) + (s.gan_r1_weight > 0)
+        return rows * group.micro_batch_size
 
-    def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
-        if group_args.num_steps_per_rollout == 0 and reward_enabled(group_args):
-            return reward_work(group_args, pairs_per_rank)
-        if group_args.custom_train_output_function_path != DMD2_CRITIC_HOOKS["custom_train_output_function_path"]:
+    def train_output_work(self, args: argparse.Namespace, group: GroupSpec, pairs_per_rank: int) -> list[PhaseWork]:
+        s = dmd2_settings(args)
+        if not group.trains and s.reward_enabled:
+            return reward_work(group, pairs_per_rank)
+        if group.hooks.train_output is not DMD2_CRITIC_HOOKS.train_output:
             return []
-        micro_batches = -(-pairs_per_rank // group_args.micro_batch_size)
+        micro_batches = -(-pairs_per_rank // group.micro_batch_size)
         # true CFG runs [uncond; cond] in one forward; an embedded-guidance teacher runs once
-        true_cfg = getattr(group_args, "dmd2_teacher_guidance_form", TRUE_CFG) == TRUE_CFG
-        cfg = 2 if group_args.dmd2_teacher_guidance_scale > 1 and true_cfg else 1
+        cfg = 2 if s.teacher_guidance_scale > 1 and s.teacher_guidance_form == TRUE_CFG else 1
         return [
-            PhaseWork("scoring: teacher", micro_batches, 0, cfg * group_args.micro_batch_size),
-            PhaseWork("scoring: critic", micro_batches, 0, group_args.micro_batch_size),
+            PhaseWork("scoring: teacher", micro_batches, 0, cfg * group.micro_batch_size),
+            PhaseWork("scoring: critic", micro_batches, 0, group.micro_batch_size),
         ]

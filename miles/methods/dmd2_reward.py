@@ -1,43 +1,31 @@
-"""``--loss-type dmd2`` with a reward (DMDR, arXiv 2511.13649): its flags, their checks and the reward group.
+"""``--loss-type dmd2`` with a reward (DMDR, arXiv 2511.13649): its flags' checks and the reward group.
 
 With ``--dmd2-reward-weight w > 0`` the run has a third trainer group, ``reward``, between the critic and the actor:
-frozen (:class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupTrainer`: no denoiser, optimizer or
-checkpoint), it runs the train-output hook :func:`~miles.backends.fsdp_utils.loss_hub.reward.reward_gradient`, which
-ships each pair's ``∂reward/∂x̂0`` to the actor; the actor subtracts ``w·∂reward/∂x̂0`` from its x0 gradient. The
-reward itself is ``--dmd2-reward-function-path`` (``fn(images, prompts) -> rewards``; for digits
-:func:`miles.eval.digits.reward.digit_log_prob`). With w = 0 (the default) there is no reward group and a run is
-exactly what it was without these flags.
+frozen (its spec has no model source: no denoiser, optimizer or checkpoint; the actor shell runs it with
+:class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupRunner`), it runs the train-output hook
+:func:`~miles.backends.fsdp_utils.loss_hub.reward.reward_gradient`, which ships each pair's ``∂reward/∂x̂0`` to the
+actor; the actor subtracts ``w·∂reward/∂x̂0`` from its x0 gradient. The reward itself is
+``--dmd2-reward-function-path`` (``fn(images, prompts) -> rewards``; for digits
+:func:`miles.eval.digits.reward.digit_log_prob`), imported once by the driver and handed to the hook. With w = 0 (the
+default) there is no reward group and a run is exactly what it was without these flags.
 """
 
 import argparse
+import functools
 
-from miles.backends.fsdp_utils.frozen_trainer import FrozenGroupTrainer
 from miles.backends.fsdp_utils.loss_hub import reward as reward_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Settings, dmd2_settings
-from miles.methods.base import PhaseWork, hook_path
-from miles.utils.trainer_config import TrainerConfig
+from miles.config import GroupHooks, GroupSpec, UserHooks
+from miles.methods.base import PhaseWork
 from miles.utils.validation import reject
 
 __all__ = [
-    "REWARD_GROUP_OVERRIDES",
     "check_reward_family",
     "reward_enabled",
-    "reward_trainer_config",
+    "reward_group",
     "reward_work",
     "validate_reward_args",
 ]
-
-# The reward group's own settings: frozen (no steps, no checkpoint, no teacher), the reward hook as its output.
-REWARD_GROUP_OVERRIDES = {
-    "custom_trainer_path": hook_path(FrozenGroupTrainer),
-    "custom_train_output_function_path": hook_path(reward_loss.reward_gradient),
-    "num_steps_per_rollout": 0,
-    "teacher_load": None,
-    "load": None,
-    "save": None,
-    "save_hf": None,
-    "ema_decay": None,
-}
 
 
 def reward_enabled(args: argparse.Namespace) -> bool:
@@ -78,12 +66,25 @@ def check_reward_family(args: argparse.Namespace) -> None:
         )
 
 
-def reward_trainer_config() -> TrainerConfig:
-    """The frozen ``reward`` group (module docstring)."""
-    return TrainerConfig(reward_loss.REWARD_ROLE, dict(REWARD_GROUP_OVERRIDES))
+def reward_group(args: argparse.Namespace, hooks: UserHooks) -> GroupSpec:
+    """The frozen ``reward`` group (module docstring): no model source, no steps, no checkpoint, no teacher; the
+    reward hook is its train output, with the user's reward function (imported once by the driver) bound to it."""
+    reward = hooks.method.get("dmd2_reward_function_path")  # None only when the layout alone is asked for
+    return GroupSpec(
+        role=reward_loss.REWARD_ROLE,
+        hooks=GroupHooks(
+            train_input=hooks.group.train_input,
+            train_output=functools.partial(reward_loss.reward_gradient, reward=reward),
+        ),
+        init=None,
+        steps_per_rollout=0,
+        micro_batch_size=args.micro_batch_size,
+        dtype=args.train_dtype,
+        seed=args.seed,
+    )
 
 
-def reward_work(group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
+def reward_work(group: GroupSpec, pairs_per_rank: int) -> list[PhaseWork]:
     """The reward group's work per rank and rollout: no denoiser forward (what :class:`PhaseWork` counts); the
     decode and the reward model's forward and backward of each micro-batch are the hook's."""
-    return [PhaseWork("reward hook (no denoiser)", 0, 0, group_args.micro_batch_size)]
+    return [PhaseWork("reward hook (no denoiser)", 0, 0, group.micro_batch_size)]
