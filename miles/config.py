@@ -74,18 +74,15 @@ class GroupHooks:
 
     def over(self, defaults: "GroupHooks") -> "GroupHooks":
         """These hooks where set, ``defaults``' elsewhere: a method's defaults never replace a user's hook."""
-        return GroupHooks(
-            **{
-                name.name: (
-                    getattr(self, name.name) if getattr(self, name.name) is not None else getattr(defaults, name.name)
-                )
-                for name in dataclasses.fields(self)
-            }
-        )
+        mine, theirs = self._hooks(), defaults._hooks()
+        return GroupHooks(**{name: theirs[name] if hook is None else hook for name, hook in mine.items()})
+
+    def _hooks(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def names(self) -> dict[str, str]:
         """``{field: hook name}`` of the hooks set (:func:`hook_name`), for the dry run."""
-        return {f.name: hook_name(getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name)}
+        return {name: hook_name(hook) for name, hook in self._hooks().items() if hook is not None}
 
 
 @dataclass(frozen=True)
