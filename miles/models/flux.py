@@ -22,7 +22,7 @@ docs/families.md):
   call's: 3.5 for dev, 1 for schnell (:meth:`FluxFamily.stock_guidance_scale`). A negative prompt is never encoded
   for a dev teacher: its guidance has no unconditional branch.
 - **Export**: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself, so the export writes a static stock
-  scheduler with ``shift`` = k (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`); the call's
+  scheduler with ``shift`` = k (:func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`); the call's
   ``guidance_scale`` is the student's guidance input (1).
 """
 

@@ -33,8 +33,8 @@ from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_j
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
-from miles.models.sampling_schedule import sigmas_call_scheduler_config
 from miles.models.stock_defaults import read_sample_size
+from miles.models.stock_schedulers import sigmas_call_scheduler_config
 
 __all__ = ["Flux2Family", "Flux2PromptEncoder", "patchify", "unpatchify"]
 
@@ -201,7 +201,7 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static scheduler at the student's shift: ``Flux2KleinPipeline`` passes ``linspace(1, 1/S, S)`` itself
-        (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`)."""
+        (:func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`)."""
         return sigmas_call_scheduler_config(**schedule)
 
     def predict_velocity(

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles.models.base import read_json
+from miles.models.pipeline_files import read_json
 from miles.models.sd3 import CLIP_TOKENS, T5_TOKENS
 
 __all__ = [

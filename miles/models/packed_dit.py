@@ -5,7 +5,7 @@ miles keeps latents unpacked, ``(B, C, H, W)``; such a family packs them into th
 ``predict_velocity``. A token is one 2×2 patch of latent pixels, its ``4·C`` values laid out as (c, dy, dx), tokens
 in raster order over the ``(H/2, W/2)`` grid (``FluxPipeline._pack_latents`` / ``_unpack_latents``; the same in
 ``QwenImagePipeline``). These pipelines call ``scheduler.set_timesteps(sigmas=linspace(1, 1/S, S), mu=...)``
-themselves, so their export carries :func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`.
+themselves, so their export carries :func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`.
 """
 
 from pathlib import Path
@@ -130,6 +130,6 @@ class PackedDiTFamily(ModelFamily):
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static stock scheduler with ``shift`` = k: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself."""
-        from miles.models.sampling_schedule import sigmas_call_scheduler_config
+        from miles.models.stock_schedulers import sigmas_call_scheduler_config
 
         return sigmas_call_scheduler_config(**schedule)

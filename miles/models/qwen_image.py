@@ -26,7 +26,7 @@ docs/families.md):
   (:attr:`QwenImageFamily.stock_negative_prompt`): the pipeline runs CFG only with a negative prompt, and the card
   passes one space "if you do not have specific concept to remove".
 - **Export**: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself, so the export writes a static stock
-  scheduler with ``shift`` = k (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`), and the
+  scheduler with ``shift`` = k (:func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`), and the
   student's CFG is the call's ``true_cfg_scale``.
 """
 

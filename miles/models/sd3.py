@@ -195,8 +195,8 @@ class SD3Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures, DifferentiableP
             OSError / ValueError: when the scheduler (or, for a dynamic config, the transformer) config is missing
                 or unreadable.
         """
-        from miles.models.sampling_schedule import SCHEDULE_KEYS
         from miles.models.stock_defaults import dynamic_flow_shift
+        from miles.models.stock_schedulers import SCHEDULE_KEYS
 
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         if SCHEDULE_KEYS["shift"] in config:

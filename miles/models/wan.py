@@ -17,7 +17,7 @@ pipeline's negative prompt defaults to ``""``.
 **Flow shift.** Static: the scheduler's ``flow_shift`` (UniPC, 3.0 for 480p T2V, 5.0 for 720p / TI2V-5B) or
 ``shift``. ``WanPipeline`` calls ``set_timesteps(S)`` with neither ``sigmas`` nor ``mu``, so the export writes a
 static scheduler whose ``shift`` and ``shift_terminal`` rebuild the student's grid
-(:func:`~miles.models.sampling_schedule.terminal_scheduler_config`; explicit ``--diffusion-timesteps`` cannot be
+(:func:`~miles.models.stock_schedulers.terminal_scheduler_config`; explicit ``--diffusion-timesteps`` cannot be
 exported this way).
 """
 
@@ -31,8 +31,8 @@ from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_j
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
 from miles.models.precision import forward_device_dtype
 from miles.models.registry import register_family
-from miles.models.sampling_schedule import terminal_scheduler_config
 from miles.models.stock_defaults import read_sample_size
+from miles.models.stock_schedulers import terminal_scheduler_config
 
 __all__ = ["WanFamily", "WanPromptEncoder"]
 
@@ -197,7 +197,7 @@ class WanFamily(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
         """A static scheduler whose ``set_timesteps(S)`` builds the student's grid (``shift`` m, ``shift_terminal``),
-        or None for explicit timesteps (:func:`~miles.models.sampling_schedule.terminal_scheduler_config`)."""
+        or None for explicit timesteps (:func:`~miles.models.stock_schedulers.terminal_scheduler_config`)."""
         return terminal_scheduler_config(**schedule)
 
     def predict_velocity(

@@ -236,5 +236,6 @@ def test_importing_the_models_package_imports_no_family_module_and_no_diffusers(
         "miles.models",
         "miles.models.base",
         "miles.models.capabilities",
+        "miles.models.pipeline_files",
         "miles.models.registry",
     }
