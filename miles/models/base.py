@@ -5,9 +5,10 @@ on the meta device and names its weight files, for the trainers' sharded start-u
 prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one and says which
 config figures a teacher or critic must share with the student. What a family can do beyond that
 is declared by subclassing the capability protocols of :mod:`miles.models.capabilities` (its guidance form, a
-pixel codec, a feature tap for the DMD2 GAN head). A new family (FLUX, Wan, ...) subclasses these protocols and
-registers itself (:mod:`miles.models.registry`); nothing else in miles knows which denoiser class or cond keys a
-family uses.
+pixel codec, a feature tap for the DMD2 GAN head, a memory layout for the planner). A family over a stock diffusers
+pipeline subclasses :class:`~miles.models.diffusers_family.DiffusersFamily`, which implements all of this once, and
+declares only what differs; any family registers itself (:mod:`miles.models.registry`) or is named by its dotted
+path. Nothing else in miles knows which denoiser class or cond keys a family uses.
 
 Latents have any rank: one sample is ``(C, H, W)`` for an image family and ``(C, F, H, W)`` for a video family
 (F frames); a batch adds a leading B. The engine, the trainers and the hooks only ever use the leading batch dim.
@@ -215,15 +216,6 @@ class ModelFamily(Protocol):
     @abstractmethod
     def latent_shape(self, path: str | Path) -> tuple[int, ...]:
         """One sample's latent shape: ``(C, H, W)`` for an image family, ``(C, F, H, W)`` for a video family."""
-
-    def text_tokens(self, path: str | Path) -> int:
-        """Text tokens per prompt in the denoiser's cond (the memory planner's sequence length).
-
-        Raises:
-            NotImplementedError: for a family that does not say; ``--dry-run`` then skips its memory plan with one
-                warning.
-        """
-        raise NotImplementedError(f"the {self.name} family does not say how many text tokens a prompt takes")
 
     @abstractmethod
     def predict_velocity(

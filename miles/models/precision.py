@@ -137,7 +137,8 @@ def forward_dtype(denoiser: nn.Module) -> torch.dtype:
     if first is None:
         raise ValueError(f"{type(model).__name__} has no floating parameters to take a compute dtype from")
     device_type = first[1].device.type
-    if torch.is_autocast_enabled(device_type):
+    # The meta device (a FLOP count, a stand-in GPU in tests) has no autocast, and torch refuses to be asked.
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     recorded = getattr(model, _COMPUTE_DTYPE, None)
     if recorded is not None:

@@ -43,6 +43,7 @@ student to the stock pipelines"). A leaf of :mod:`miles.models`: it imports no f
 import json
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from miles.utils.sampling import FlowNoiseSchedule
@@ -50,6 +51,7 @@ from miles.utils.sampling import FlowNoiseSchedule
 __all__ = [
     "SCHEDULE_KEYS",
     "STOCK_SCHEDULERS",
+    "StudentSchedule",
     "sigmas_call_scheduler_config",
     "stock_scheduler_config",
     "terminal_scheduler_config",
@@ -73,20 +75,36 @@ SCHEDULE_KEYS = {
 STOCK_SCHEDULERS = {"dmd2": "FlowMatchLCMScheduler", "euler": "FlowMatchEulerDiscreteScheduler"}
 
 
-def _schedule(
-    num_steps: int, shift: float, step_rule: str, num_train_timesteps: int, timesteps: list[float] | None
-) -> tuple[FlowNoiseSchedule, type]:
-    """The student's grid and the stock scheduler class of its step rule.
+@dataclass(frozen=True)
+class StudentSchedule:
+    """The student's sampling schedule, the keywords every config function here takes.
 
-    Raises:
-        ValueError: on an unknown step rule or a grid :class:`~miles.utils.sampling.FlowNoiseSchedule` rejects.
+    Attributes:
+        num_steps: the student's step count S ≥ 1 (ignored when ``timesteps`` is given).
+        shift: the flow shift k > 0 of the grid ``σ = shift_k(linspace(1, 1/S, S))``.
+        step_rule: ``"dmd2"`` or ``"euler"``.
+        num_train_timesteps: the model's timestep scale (1000).
+        timesteps: explicit descending timesteps in (0, num_train_timesteps]; sampled through ``sigmas=``.
     """
-    import diffusers
 
-    if step_rule not in STOCK_SCHEDULERS:
-        raise ValueError(f"step rule {step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
-    schedule = FlowNoiseSchedule(num_steps, shift, num_train_timesteps, timesteps=timesteps)
-    return schedule, getattr(diffusers, STOCK_SCHEDULERS[step_rule])
+    num_steps: int
+    shift: float
+    step_rule: str
+    num_train_timesteps: int = 1000
+    timesteps: list[float] | None = None
+
+    def grid(self) -> tuple[FlowNoiseSchedule, type]:
+        """The student's grid and the stock scheduler class of its step rule.
+
+        Raises:
+            ValueError: on an unknown step rule or a grid :class:`~miles.utils.sampling.FlowNoiseSchedule` rejects.
+        """
+        import diffusers
+
+        if self.step_rule not in STOCK_SCHEDULERS:
+            raise ValueError(f"step rule {self.step_rule!r} is unknown; choose one of {list(STOCK_SCHEDULERS)}")
+        grid = FlowNoiseSchedule(self.num_steps, self.shift, self.num_train_timesteps, timesteps=self.timesteps)
+        return grid, getattr(diffusers, STOCK_SCHEDULERS[self.step_rule])
 
 
 def _full_config(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -94,38 +112,30 @@ def _full_config(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return json.loads(cls(**kwargs).to_json_string())
 
 
-def stock_scheduler_config(
-    *,
-    num_steps: int,
-    shift: float,
-    step_rule: str,
-    num_train_timesteps: int = 1000,
-    timesteps: list[float] | None = None,
-) -> dict[str, Any]:
+def stock_scheduler_config(**schedule: Any) -> dict[str, Any]:
     """The diffusers scheduler config that samples the student's schedule with stock ``StableDiffusion3Pipeline``.
 
     The class is ``STOCK_SCHEDULERS[step_rule]``; the grid settings are derived in this module's docstring. The
     config is what ``save_pretrained`` writes (``_class_name``, ``_diffusers_version`` and every init argument),
-    without the ``_miles_*`` keys. Logs a warning if the installed diffusers builds another grid from it.
+    without the ``_miles_*`` keys: ``shift`` is the student's k, except with explicit timesteps (then 1: the σ passed
+    to the call are already shifted). Logs a warning if the installed diffusers builds another grid from it.
 
     Args:
-        num_steps: the student's step count S ≥ 1 (ignored when ``timesteps`` is given).
-        shift: the flow shift k > 0 of the grid ``σ = shift_k(linspace(1, 1/S, S))``; ``shift`` of the config,
-            except with explicit timesteps (then ``shift`` is 1: the σ passed to the call are already shifted).
-        step_rule: ``"dmd2"`` or ``"euler"``.
-        num_train_timesteps: the model's timestep scale (1000).
-        timesteps: explicit descending timesteps in (0, num_train_timesteps]; sampled through ``sigmas=``.
+        schedule: the keywords of :class:`StudentSchedule`.
 
     Raises:
         ValueError: on an unknown step rule or a grid :class:`~miles.utils.sampling.FlowNoiseSchedule` rejects.
+        TypeError: on a keyword :class:`StudentSchedule` does not have.
     """
-    schedule, cls = _schedule(num_steps, shift, step_rule, num_train_timesteps, timesteps)
-    kwargs: dict[str, Any] = {"num_train_timesteps": num_train_timesteps, "shift": float(shift)}
-    if timesteps is not None:
+    student = StudentSchedule(**schedule)
+    grid, cls = student.grid()
+    num_steps, shift = student.num_steps, student.shift
+    kwargs: dict[str, Any] = {"num_train_timesteps": student.num_train_timesteps, "shift": float(shift)}
+    if student.timesteps is not None:
         kwargs["shift"] = 1.0
     elif num_steps > 1:
         # diffusers' own σ_min of the unshifted 1000-point grid (1/1000 rounded to float32), as set_timesteps reads it
-        sigma_min = cls(num_train_timesteps=num_train_timesteps, use_dynamic_shifting=True).sigma_min
+        sigma_min = cls(num_train_timesteps=student.num_train_timesteps, use_dynamic_shifting=True).sigma_min
         d = (1.0 - sigma_min) / (num_steps - 1)
         if shift == 1.0:
             m = 1.0
@@ -137,49 +147,38 @@ def stock_scheduler_config(
             time_shift_type="exponential",
             base_shift=math.log(m),
             max_shift=math.log(m),
-            shift_terminal=float(schedule.sigmas[-2]),  # the last σ
+            shift_terminal=float(grid.sigmas[-2]),  # the last σ
         )
     config = _full_config(cls, kwargs)
-    if timesteps is None:
-        _warn_unless_grid(config, schedule, mu=config["base_shift"] if config.get("use_dynamic_shifting") else None)
+    if student.timesteps is None:
+        _warn_unless_grid(config, grid, mu=config["base_shift"] if config.get("use_dynamic_shifting") else None)
     return config
 
 
-def sigmas_call_scheduler_config(
-    *,
-    num_steps: int,
-    shift: float,
-    step_rule: str,
-    num_train_timesteps: int = 1000,
-    timesteps: list[float] | None = None,
-) -> dict[str, Any]:
+def sigmas_call_scheduler_config(**schedule: Any) -> dict[str, Any]:
     """The stock scheduler config for a pipeline that passes ``sigmas = linspace(1, 1/S, S)`` (and a ``mu``) to
     ``set_timesteps`` itself: ``QwenImagePipeline``, ``FluxPipeline``, ``Flux2KleinPipeline`` (docs/families.md,
     "Exporting a student to the stock pipelines").
 
     A static ``shift`` = k maps that spacing to miles' ``f_k(linspace(1, 1/S, S))`` exactly (the pipeline's ``mu``
     is ignored without ``use_dynamic_shifting``); explicit timesteps use ``shift`` 1, the call passing
-    ``sigmas=[t / 1000, ...]`` (:func:`miles.models.sampling_schedule.stock_sampling_kwargs`). Arguments and errors
-    as :func:`stock_scheduler_config`. Logs a warning if the installed diffusers builds another grid.
+    ``sigmas=[t / 1000, ...]`` (:func:`miles.models.sampling_schedule.stock_sampling_kwargs`). The keywords and the
+    errors as :func:`stock_scheduler_config`. Logs a warning if the installed diffusers builds another grid.
     """
     import numpy as np
 
-    schedule, cls = _schedule(num_steps, shift, step_rule, num_train_timesteps, timesteps)
-    static = 1.0 if timesteps is not None else float(shift)
-    config = _full_config(cls, {"num_train_timesteps": num_train_timesteps, "shift": static})
-    sigmas = schedule.sigmas[:-1].tolist() if timesteps is not None else np.linspace(1.0, 1 / num_steps, num_steps)
-    _warn_unless_grid(config, schedule, sigmas=sigmas, mu=0.5)
+    student = StudentSchedule(**schedule)
+    grid, cls = student.grid()
+    explicit = student.timesteps is not None
+    static = 1.0 if explicit else float(student.shift)
+    config = _full_config(cls, {"num_train_timesteps": student.num_train_timesteps, "shift": static})
+    steps = student.num_steps
+    sigmas = grid.sigmas[:-1].tolist() if explicit else np.linspace(1.0, 1 / steps, steps)
+    _warn_unless_grid(config, grid, sigmas=sigmas, mu=0.5)
     return config
 
 
-def terminal_scheduler_config(
-    *,
-    num_steps: int,
-    shift: float,
-    step_rule: str,
-    num_train_timesteps: int = 1000,
-    timesteps: list[float] | None = None,
-) -> dict[str, Any] | None:
+def terminal_scheduler_config(**schedule: Any) -> dict[str, Any] | None:
     """The stock scheduler config for a pipeline that calls ``set_timesteps(S)`` with neither ``sigmas`` nor ``mu``
     (``WanPipeline``), or None for explicit timesteps, which such a call cannot take.
 
@@ -188,22 +187,24 @@ def terminal_scheduler_config(
     last σ is that value. With ``shift_terminal = f_k(1/S)`` it builds miles' ``f_k(linspace(1, 1/S, S))`` when m
     is the smaller root of ``δ·m² + (1 − δ)(1 − R)·m + R(1 − δ) = 0``, ``R = S·k / ((S − 1)(k − 1))`` (m = 1 for
     k = 1 or S = 1; derivation in docs/families.md, Wan). Logs a warning if the installed diffusers builds another
-    grid. Arguments and errors as :func:`stock_scheduler_config`.
+    grid. The keywords and the errors as :func:`stock_scheduler_config`.
     """
-    schedule, cls = _schedule(num_steps, shift, step_rule, num_train_timesteps, timesteps)
-    if timesteps is not None:
+    student = StudentSchedule(**schedule)
+    grid, cls = student.grid()
+    if student.timesteps is not None:
         return None
-    kwargs: dict[str, Any] = {"num_train_timesteps": num_train_timesteps, "shift": 1.0}
+    num_steps, shift = student.num_steps, student.shift
+    kwargs: dict[str, Any] = {"num_train_timesteps": student.num_train_timesteps, "shift": 1.0}
     if num_steps > 1:
-        delta = 1.0 / num_train_timesteps
+        delta = 1.0 / student.num_train_timesteps
         if shift != 1.0:
             r = num_steps * shift / ((num_steps - 1) * (shift - 1.0))
             b = (1.0 - delta) * (1.0 - r)
             c = r * (1.0 - delta)
             kwargs["shift"] = (-b - math.sqrt(b * b - 4.0 * delta * c)) / (2.0 * delta)
-        kwargs["shift_terminal"] = float(schedule.sigmas[-2])  # the student's last σ
+        kwargs["shift_terminal"] = float(grid.sigmas[-2])  # the student's last σ
     config = _full_config(cls, kwargs)
-    _warn_unless_grid(config, schedule)
+    _warn_unless_grid(config, grid)
     return config
 
 
