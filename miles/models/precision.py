@@ -122,6 +122,14 @@ def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
     setattr(model, _COMPUTE_DTYPE, dtype)
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` for a device type autocast may not know (``meta`` raises): False there."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
 def forward_dtype(denoiser: nn.Module) -> torch.dtype:
     """The dtype a family casts ``denoiser``'s latents and conditioning to before its forward (rule 1; never the
     timestep, which stays float32): the autocast dtype inside ``torch.autocast`` on the parameters' device, else the
@@ -137,8 +145,7 @@ def forward_dtype(denoiser: nn.Module) -> torch.dtype:
     if first is None:
         raise ValueError(f"{type(model).__name__} has no floating parameters to take a compute dtype from")
     device_type = first[1].device.type
-    # The meta device (a FLOP count, a stand-in GPU in tests) has no autocast, and torch refuses to be asked.
-    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     recorded = getattr(model, _COMPUTE_DTYPE, None)
     if recorded is not None:
