@@ -23,7 +23,6 @@ and ``x = z / scale + shift``, with ``(shift, scale)`` = ``(shift_factor, scalin
 then ``round(· 255)`` (:func:`pixels_to_uint8`).
 """
 
-import functools
 import math
 from abc import abstractmethod
 from pathlib import Path
@@ -277,7 +276,9 @@ class DiffusersFamily(ModelFamily, MemoryLayout):
 
     # -- the VAE (PixelCodec, DifferentiablePixels), for the families that declare them ------------------------
 
-    @functools.cached_property
+    _vae: nn.Module | None = None
+
+    @property
     def vae(self) -> nn.Module:
         """The pipeline's VAE, the class ``model_index.json`` names, float32, eval and frozen (a reward's gradient
         reaches the latents, not the VAE), on the CPU; loaded on first use.
@@ -285,13 +286,15 @@ class DiffusersFamily(ModelFamily, MemoryLayout):
         Raises:
             ValueError: if ``model_index.json`` names no VAE.
         """
-        import diffusers
+        if self._vae is None:
+            import diffusers
 
-        entry = read_model_index(self.pipeline_path).get("vae")
-        if not is_component(entry):
-            raise ValueError(f"{self.pipeline_path}/model_index.json names no vae component to encode pixels with")
-        vae = getattr(diffusers, entry[1]).from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32)
-        return vae.eval().requires_grad_(False)
+            entry = read_model_index(self.pipeline_path).get("vae")
+            if not is_component(entry):
+                raise ValueError(f"{self.pipeline_path}/model_index.json names no vae component to encode pixels with")
+            vae = getattr(diffusers, entry[1]).from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32)
+            self._vae = vae.eval().requires_grad_(False)
+        return self._vae
 
     def latent_scale_shift(self) -> tuple[Tensor | float, Tensor | float]:
         """``(scale, shift)`` of the VAE config, as the stock pipelines read them: ``(scaling_factor, shift_factor)``
