@@ -51,15 +51,15 @@ TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class PromptEncoder(Protocol):
-    """A loaded text encoder. ``encode`` is deterministic (eval mode, no dropout).
+    """A loaded text encoder: what a family's ``load_text_encoder`` returns and its ``encode_prompts`` reads (a stock
+    pipeline's text half, :class:`~miles.models.diffusers_family.PipelinePromptEncoder`; digits' MiniLM; any object
+    of a family of your own). It encodes deterministically (eval mode, no dropout).
 
     An encoder whose models sit on a training device lists them as ``text_modules`` (``list[nn.Module]``): they sleep
     with the trainer group that encodes (:func:`text_encoder_modules`). An encoder without it holds nothing to move.
     """
 
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(hidden, pooled)``: float32 ``(B, L, D)`` token states and float32 ``(B, P)`` pooled states."""
-        ...
+    text_modules: list[nn.Module]
 
 
 @runtime_checkable

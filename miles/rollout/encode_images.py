@@ -32,18 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
-from miles.rollout.offline_files import (
-    OfflineDataError,
-    batches,
-    command_parser,
-    ensure_writable_dir,
-    open_family,
-    run_command,
-    save_tensors,
-    write_manifest,
-    write_records,
-)
+from miles.rollout.offline_files import OfflineDataError
 
 __all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
 
@@ -204,7 +195,7 @@ def encode_image_folder(
     """
     from miles.models import PixelCodec
 
-    family = open_family(pipeline, family_name, batch_size, needs=PixelCodec)
+    family = offline_files.open_family(pipeline, family_name, batch_size, needs=PixelCodec)
     pipeline, out_dir = Path(pipeline), Path(out_dir)
     try:
         shape = family.image_shape(pipeline)
@@ -219,10 +210,10 @@ def encode_image_folder(
     prompts = [_caption(image, caption_map, prompt) for image in images]
     for image in images:
         _check_size(image, shape)
-    ensure_writable_dir(out_dir, "latents")
+    offline_files.ensure_writable_dir(out_dir, "latents")
 
     records = []
-    for start, batch in batches(images, batch_size, progress, "image", "encoding images"):
+    for start, batch in offline_files.batches(images, batch_size, progress, "image", "encoding images"):
         pixels = torch.from_numpy(np.stack([fit_image(image, shape) for image in batch]))
         latents = family.images_to_latents(pixels).float().cpu()
         for offset, latent in enumerate(latents):
@@ -233,11 +224,13 @@ def encode_image_folder(
                     f"{tuple(latent_shape)}; is the pipeline's VAE config consistent with its transformer?"
                 )
             name = f"latents/{image.stem}.safetensors"
-            save_tensors(out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name})
+            offline_files.save_tensors(
+                out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name}
+            )
             records.append({"prompt": prompts[start + offset], "latent": name, "file_name": image.name})
-    write_records(out_dir / "data.jsonl", records)
+    offline_files.write_records(out_dir / "data.jsonl", records)
     logger.info("encoded %d images of %s to %s", len(records), image_dir, out_dir)
-    return write_manifest(
+    return offline_files.write_manifest(
         out_dir / MANIFEST,
         pipeline,
         family,
@@ -249,9 +242,9 @@ def encode_image_folder(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr). The parser's positionals,
-    ``--batch-size``, ``--diffusion-model-family`` and the error path are the offline commands' (offline_files)."""
-    parser = command_parser(
+    """``python -m miles.rollout.encode_images PIPELINE IMAGE_DIR OUT_DIR [--captions F | --prompt P]``; returns the
+    exit code (0, or 2 after one error line on stderr)."""
+    parser = offline_files.command_parser(
         "python -m miles.rollout.encode_images",
         "Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
         ("image_dir", "folder of .png / .jpg / .webp images"),
@@ -268,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             f"train with --train-only --prompt-data {Path(ns.out_dir) / 'data.jsonl'}"
         )
 
-    return run_command(
+    return offline_files.run_command(
         parser, argv, encode_image_folder, lambda ns: {"captions": ns.captions, "prompt": ns.prompt}, summary
     )
 

@@ -33,18 +33,9 @@ from typing import Any
 
 import torch
 
+from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
-from miles.rollout.offline_files import (
-    OfflineDataError,
-    batches,
-    command_parser,
-    ensure_writable_dir,
-    open_family,
-    run_command,
-    save_tensors,
-    write_manifest,
-    write_records,
-)
+from miles.rollout.offline_files import OfflineDataError
 
 __all__ = ["main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
 
@@ -127,35 +118,37 @@ def write_prompt_cache(
 
     if dtype not in DTYPES:
         raise OfflineDataError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
-    family = open_family(pipeline, family_name, batch_size)
+    family = offline_files.open_family(pipeline, family_name, batch_size)
     pipeline, out_dir = Path(pipeline), Path(out_dir)
     if negative_prompt is None:
         negative_prompt = family.stock_negative_prompt
     records = read_prompt_records(prompts_path, input_key)
-    ensure_writable_dir(out_dir, "cond")
+    offline_files.ensure_writable_dir(out_dir, "cond")
 
     distinct = list(dict.fromkeys(record[input_key] for record in records))
     names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
     encoder = family.load_text_encoder(pipeline, device=device)
     store = DTYPES[dtype]
     shapes: dict[str, list[int]] = {}
-    for _, batch in batches(distinct, batch_size, progress, "prompt", "encoding prompts"):
+    for _, batch in offline_files.batches(distinct, batch_size, progress, "prompt", "encoding prompts"):
         cond = family.encode_prompts(encoder, batch)
         for row, prompt in enumerate(batch):
             one = {key: value[row].to(store) for key, value in cond.items()}
             shapes = shapes or {key: list(value.shape) for key, value in one.items()}
-            save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
+            offline_files.save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
     # encoded as the engine encodes it without a cache (miles.rollout.conditioning)
     negative = encode_one_prompt(family, encoder, negative_prompt)
-    save_tensors(
+    offline_files.save_tensors(
         out_dir / "negative.safetensors",
         {key: value.to(store) for key, value in negative.items()},
         {"prompt": negative_prompt, "family": family.name},
     )
     # prompts.jsonl last: a crash before it leaves no record that names a missing file.
-    write_records(out_dir / "prompts.jsonl", [{**record, cond_key: names[record[input_key]]} for record in records])
+    offline_files.write_records(
+        out_dir / "prompts.jsonl", [{**record, cond_key: names[record[input_key]]} for record in records]
+    )
     logger.info("cached %d distinct prompts of %d records in %s", len(distinct), len(records), out_dir)
-    return write_manifest(
+    return offline_files.write_manifest(
         out_dir / MANIFEST,
         pipeline,
         family,
@@ -171,9 +164,9 @@ def write_prompt_cache(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr). The parser's positionals,
-    ``--batch-size``, ``--diffusion-model-family`` and the error path are the offline commands' (offline_files)."""
-    parser = command_parser(
+    """``python -m miles.rollout.prompt_cache PIPELINE PROMPTS CACHE_DIR [--negative-prompt P ...]``; returns the exit
+    code (0, or 2 after one error line on stderr)."""
+    parser = offline_files.command_parser(
         "python -m miles.rollout.prompt_cache",
         "Encode every distinct prompt of a JSONL file once with the pipeline's text encoder.",
         ("prompts", "JSONL prompt file"),
@@ -202,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{out}; train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
         )
 
-    return run_command(parser, argv, write_prompt_cache, options, summary)
+    return offline_files.run_command(parser, argv, write_prompt_cache, options, summary)
 
 
 if __name__ == "__main__":
