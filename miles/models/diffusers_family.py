@@ -1,7 +1,7 @@
 """``DiffusersFamily``: a model family over a stock diffusers pipeline, with one copy of what every such family does.
 
 It loads the pipeline's parts (the denoiser of ``transformer/``, the text encoders through the stock pipeline's own
-``encode_prompt``, the VAE ``model_index.json`` names), runs the denoiser's forward with miles' conventions, encodes
+``encode_prompt``, the VAE its ``vae/config.json`` names), runs the denoiser's forward with miles' conventions, encodes
 and decodes through the VAE, taps the blocks' image tokens for the DMD2 GAN head and describes the denoiser's memory
 layout for the planner. A family declares only what differs from its neighbours:
 
@@ -280,20 +280,22 @@ class DiffusersFamily(ModelFamily, MemoryLayout):
 
     @property
     def vae(self) -> nn.Module:
-        """The pipeline's VAE, the class ``model_index.json`` names, float32, eval and frozen (a reward's gradient
-        reaches the latents, not the VAE), on the CPU; loaded on first use.
+        """The pipeline's VAE, the diffusers class ``vae/config.json`` names (what ``save_pretrained`` writes), float32,
+        eval and frozen (a reward's gradient reaches the latents, not the VAE), on the CPU; loaded on first use.
 
         Raises:
-            ValueError: if ``model_index.json`` names no VAE.
+            FileNotFoundError: if ``<pipeline>/vae/config.json`` is missing.
+            ValueError: if diffusers has no class of the name it gives.
         """
         if self._vae is None:
             import diffusers
 
-            entry = read_model_index(self.pipeline_path).get("vae")
-            if not is_component(entry):
-                raise ValueError(f"{self.pipeline_path}/model_index.json names no vae component to encode pixels with")
-            vae = getattr(diffusers, entry[1]).from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32)
-            self._vae = vae.eval().requires_grad_(False)
+            folder = self.pipeline_path / "vae"
+            name = str(read_json(folder / "config.json", "VAE config").get("_class_name"))
+            cls = getattr(diffusers, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ValueError(f"{folder}/config.json names _class_name {name!r}, which is not a diffusers model")
+            self._vae = cls.from_pretrained(folder, torch_dtype=torch.float32).eval().requires_grad_(False)
         return self._vae
 
     def latent_scale_shift(self) -> tuple[Tensor | float, Tensor | float]:
