@@ -10,7 +10,7 @@ figures. The count:
   (matmuls and attention) on the meta device as the family's ``predict_velocity`` runs it, at its latent size and
   text tokens (SD3: 77 CLIP + 256 T5 tokens; digits: its ``max_length``), so no weight is read. Any family that
   declares the capability gets an estimate; the estimate knows none;
-- each phase's forwards and backwards per rank from :func:`miles.driver.plan.work_per_rank`, a backward counted as
+- each phase's forwards and backwards per rank from :func:`miles.driver.work.work_per_rank`, a backward counted as
   two forwards (and one more forward per backward with ``--gradient-checkpointing``). The rollout phase counts every
   step of the schedule for every sample (DMD2 samples stop at a random step, so it is an upper bound);
 - seconds = FLOPs / (MFU × the GPU's dense bf16 peak), for a bf16 (or fp16) run only: the peaks are the vendors'
@@ -100,7 +100,7 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Esti
         OSError: for a pipeline without its configs.
     """
     from miles.backends.fsdp_utils.model import resolve_dtype
-    from miles.driver.plan import work_per_rank
+    from miles.driver.work import work_per_rank
     from miles.models import MemoryLayout, get_model_family, require
 
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
