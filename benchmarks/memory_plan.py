@@ -42,8 +42,9 @@ MODELS = {
 # The model family of each config: it lays out the activations and says the tokens per sample.
 FAMILIES = {"sd35_medium": "sd3", "sd35_large": "sd3", "flux1_dev": "flux", "flux2_klein_4b": "flux2",
             "qwen_image": "qwen_image"}  # fmt: skip
-# The VAE's downscale factor of every model of the table (pixels per latent pixel).
-VAE_FACTOR = 8
+# Pixels per image-token side of every model of the table: the VAE's 8×, then a patch of 2 (SD3.5) or the 2×2 packing
+# (FLUX.1, Qwen-Image) or patchify (FLUX.2) of the pipeline: 4096 tokens at 1024 px.
+PIXELS_PER_TOKEN = 16
 GPUS = (1, 8, 64)
 GPU_GB = (80, 141)
 # vvvvvjdy/dmdr: generator LoRA rank 2 × 32, critic ("guidance") rank 32
@@ -68,19 +69,18 @@ def group_specs(config: dict, lora: bool, ema: bool) -> list[GroupSpec]:
 
 def setting(name: str, config: dict, gpus: int, resolution: int, zero3: bool) -> PlanSetting:
     """The plan's setting for model ``name`` at ``resolution`` × ``resolution`` pixels: its family's activation
-    layout, its latent patch over the VAE's latent (image tokens) and the stock pipeline's text tokens.
+    layout and the stock pipeline's text tokens (the family's), :data:`PIXELS_PER_TOKEN` per image-token side.
 
     Raises:
         ValueError: for a resolution that is not a whole number of tokens.
     """
     family = family_class(FAMILIES[name])(CONFIGS)
-    patch = family.latent_patch(config)[-1] * VAE_FACTOR
-    if resolution % patch:
-        raise ValueError(f"resolution {resolution} is not a multiple of {patch} pixels per token side")
+    if resolution % PIXELS_PER_TOKEN:
+        raise ValueError(f"resolution {resolution} is not a multiple of {PIXELS_PER_TOKEN} pixels per token side")
     return PlanSetting(
         dp_size=gpus,
         compute_dtype=torch.bfloat16,
-        image_tokens=(resolution // patch) ** 2,
+        image_tokens=(resolution // PIXELS_PER_TOKEN) ** 2,
         text_tokens=family.text_tokens(CONFIGS),
         gradient_checkpointing=True,
         reshard_every_microbatch=zero3,
