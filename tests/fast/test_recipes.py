@@ -194,6 +194,8 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
         flags = [flag.format(half=150) for flag in variant]
         if "--dmd2-gan-disc-weight" in flags:
             flags += ["--dmd2-gan-real-data", str(tmp_path / "train.jsonl")]
+        if "--dmd2-regression-weight" in flags:
+            flags += ["--dmd2-regression-pairs", str(tmp_path / "pairs.jsonl")]
         args = parse_args(
             [*recipe.STUDENT_FLAGS, *flags, "--hf-checkpoint", "/models/teacher", "--teacher-load", "/models/teacher",
              "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4",
@@ -221,6 +223,14 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.
     assert (lora.lora_rank, lora.critic_lora_rank, lora.lr, lora.critic_lr) == (16, 16, 1e-3, 4e-3)
+    # The regression variant is the recipe's student plus the term, on the pairs the recipe writes.
+    regression = parsed["regression"]
+    assert recipe.ABLATIONS["regression"] == [*recipe.PHASE2_FLAGS, "--dmd2-regression-weight", "0.25"]
+    assert (regression.dmd2_regression_weight, regression.dmd2_regression_pairs) == (
+        0.25,
+        str(tmp_path / "pairs.jsonl"),
+    )
+    assert regression.custom_loss_function_path == "miles.backends.fsdp_utils.loss_hub.regression.dmd2_regression_loss"
     late = recipe.ABLATIONS["gan-late"]
     assert late[late.index("--dmd2-gan-start-rollout") + 1] == "{half}"
 
