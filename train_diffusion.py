@@ -89,6 +89,7 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
     turns = DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
     progress = RolloutProgress(args, start_rollout_id)
     alarmed: set[str] = set()  # health figures outside their threshold, warned about once until they recover
+    eval_alarmed: set[str] = set()  # the same for the evaluations' figures, which only evaluations update
     try:
         for rollout_id in range(start_rollout_id, args.num_rollout):
             perf: dict[str, float] = {}
@@ -135,6 +136,13 @@ def run_rollouts(args, rollout_manager, groups: dict, engines, start_rollout_id:
                 eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
             if eval_metrics:
                 progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
+                current = {alarm.split("=")[0]: alarm for alarm in alarms(eval_metrics)}
+                for name in sorted(set(current) - eval_alarmed):
+                    progress.note(
+                        f"warning: eval after rollout {rollout_id}: {current[name]}; the student's samples may be "
+                        "collapsing or oversaturated"
+                    )
+                eval_alarmed = set(current)
             perf["perf/step_time"] = time.perf_counter() - step_start
             tracker.log(perf, rollout_id)
             progress.update(rollout_id, {**step_metrics, **perf})
