@@ -198,7 +198,9 @@ def train(name: str, out: Path, flags: list[str], save_hf: Path) -> Path:
         logger.info("[%s] reusing %s", name, save_hf)
         return run_dir
     logger.info("[%s] training -> %s", name, save_hf)
-    overwrite = ["--overwrite-save-hf"] if save_hf.exists() else []
+    # An interrupted stage's export, or --keep-best's (<save_hf>-best), is this recipe's own: replaced on a rerun.
+    best = save_hf.with_name(f"{save_hf.name}-best")
+    overwrite = ["--overwrite-save-hf"] if save_hf.exists() or best.exists() else []
     cmd = [sys.executable, "train_diffusion.py", *flags, "--save-hf", str(save_hf), "--output-dir", str(run_dir)]
     run(cmd + overwrite)
     run([sys.executable, "-m", "miles.plot", str(run_dir)])
@@ -319,6 +321,54 @@ def training_rows(run_dirs: dict[str, Path]) -> list[list[str]]:
         seconds = records[-1]["time"] - records[0]["time"]
         rows.append([name, trend, "–" if auc is None else f"{auc:.2f}", "–" if margin is None else f"{margin:+.2f}",
                      f"{state / 2**20:.1f} MiB", f"{seconds:.0f} s"])  # fmt: skip
+    return rows
+
+
+def kept_and_alarms(run_dir: Path) -> dict:
+    """A student run's ``--keep-best fd:min`` choice and its collapse alarms, from its ``metrics.jsonl``.
+
+    Returns:
+        ``{"best": {"rollout_id", "fd"} or None, "alarms": {figure: [rollout ids]}}``: the last new best the
+        driver logged (``best/fd``), and for each health figure (``miles.utils.health.THRESHOLDS``) the rollouts
+        whose record read it outside its healthy range (the per-rollout ones every rollout, the evaluations'
+        at each evaluation).
+    """
+    from miles.utils.health import THRESHOLDS, alarms
+    from miles.utils.tracking import read_metrics
+
+    best, crossed = None, {}
+    for record in read_metrics(run_dir):
+        if "best/rollout_id" in record:
+            best = {"rollout_id": record["best/rollout_id"], "fd": record.get("best/fd")}
+        # Only the alarmed figures; a non-finite one is written as the string "nan" / "inf" (miles.utils.tracking).
+        figures = {key: float(value) for key, value in record.items() if key in THRESHOLDS}
+        for alarm in alarms(figures):
+            rollouts = crossed.setdefault(alarm.split("=")[0], [])
+            if record["rollout_id"] not in rollouts:
+                rollouts.append(record["rollout_id"])
+    return {"best": best, "alarms": crossed}
+
+
+def _rollouts(ids: list[int]) -> str:
+    """``after rollout 3``, ``after rollouts 1, 2``, ``after 40 rollouts (12, 13, 14, 15, …)``."""
+    if len(ids) > 4:
+        return f"after {len(ids)} rollouts ({', '.join(map(str, ids[:4]))}, …)"
+    return f"after rollout{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def best_rows(out: Path, run_dirs: dict[str, Path]) -> list[list[str]]:
+    """Per student run: the train-time evaluation ``--keep-best fd:min`` kept (its FD, rollout and export) and the
+    collapse alarms it raised (:func:`kept_and_alarms`)."""
+    rows = []
+    for name, run_dir in run_dirs.items():
+        if name == "teacher" or not (run_dir / "metrics.jsonl").is_file():
+            continue
+        info = kept_and_alarms(run_dir)
+        best = info["best"]
+        export = out / f"{name}-best"
+        kept = "–" if best is None else f"{best['fd']:.3f} after rollout {best['rollout_id']}"
+        raised = "; ".join(f"{figure} {_rollouts(rollouts)}" for figure, rollouts in info["alarms"].items())
+        rows.append([name, kept, f"`{export.name}/`" if export.is_dir() else "–", raised or "none"])
     return rows
 
 
@@ -572,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             # Six evaluations of the same 500 fixed-noise samples: the trend of a run, not the noise of 100 samples.
             "--eval-interval", str(max(1, args.student_rollouts // 6)), *eval_flags, str(data["eval_prompts"]),
             "--eval-n-samples-per-prompt", str(args.train_eval_samples),
+            # The evaluation with the lowest train-time FD, exported beside the last (<name>-best/).
+            "--keep-best", "fd:min",
         ]  # fmt: skip
         run_dirs[name] = train(name, out, flags, out / name)
         students[(steps, cfg, phase)] = (name, out / name)
@@ -603,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
         header = ["student", "train-time FD at each evaluation", "disc. prompt AUC", "D(real) − D(fake)",
                   "state per rank", "training time"]  # fmt: skip
         sections.append("### Students' training\n\n" + markdown_table(header, training))
+    kept = best_rows(out, run_dirs)
+    if kept:
+        header = ["student", "best train-time FD (--keep-best fd:min)", "exported to", "collapse alarms"]
+        sections.append("### Best rollout and collapse alarms\n\n" + markdown_table(header, kept))
     plots = [f"- {name}: " + ", ".join(f"[{png.name}]({png.relative_to(out)})" for png in sorted((run_dir / "plots").glob("*.png")))
              for name, run_dir in run_dirs.items() if (run_dir / "plots").is_dir()]  # fmt: skip
     if plots:
@@ -610,7 +666,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = "\n\n".join(sections)
     (out / f"summary{tag}.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
     (out / f"summary{tag}.json").write_text(
-        json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n"
+        json.dumps(
+            {
+                "sweep": sweep,
+                "rows": all_results,
+                # Per student: the evaluation --keep-best kept and the collapse alarms its run raised.
+                "training": {
+                    name: kept_and_alarms(run_dir) for name, run_dir in run_dirs.items() if name != "teacher"
+                },
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
     )
     logger.info("finished in %.0fs; tables in %s and grids under %s", time.perf_counter() - start,
                 out / f"summary{tag}.md", out / f"eval-cfg*{grid_tag}")  # fmt: skip
