@@ -275,7 +275,7 @@ def _keep_best_export_holds_a_pipeline(w, d):
 
 def _regression_pairs_missing(w, d):
     argv = dmd2(w, d, "--dmd2-regression-weight", "0.25", "--dmd2-regression-pairs", str(d / "pairs.jsonl"))
-    return argv, f"--dmd2-regression-pairs {d / 'pairs.jsonl'}"
+    return argv, f"error: --dmd2-regression-pairs {d / 'pairs.jsonl'} does not exist"
 
 
 def _save_hf_pipeline_with_user_files(w, d):
