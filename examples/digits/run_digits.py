@@ -16,8 +16,10 @@ Stages (each reuses its output when that output is complete, so an interrupted r
 4. sweep     the teacher's 28-step FD at CFG 1, 1.5, 2 and 3; the recipe distills at the best one
              (``--guidance-scale`` picks one instead).
 5. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
-             with that CFG; phase 2 adds the GAN head (real digits: the train split) and the student's EMA
-             (0.99 from the first step).
+             with that CFG; phase 2 adds the GAN head (real digits: the train split), the student's EMA (0.99 from
+             the first step) and DMD's regression loss on 1,000 cached teacher noise -> sample pairs (written once
+             per CFG by ``python -m miles.rollout.regression_pairs``, ``regression-pairs-cfg<w>/``); the evaluation
+             of lowest train-time FD is exported beside the last (``--keep-best fd:min``, ``<name>-best/``).
              ``--one-step`` adds a 1-step phase-2 student, ``--phase1`` the no-GAN, no-EMA 4-step student of the
              same CFG (the gain's baseline), ``--unguided`` a phase-2 student distilled at CFG 1.
 6. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG,
@@ -77,10 +79,22 @@ WARMUP_PHASE2_FLAGS = [
 ]  # fmt: skip
 # The EMA at its 0.99 from the first step instead of diffusers' warm-up (which reached only 0.971 by step 300).
 NO_WARMUP_FLAGS = ["--ema-min-decay", "0.99"]
-# The recipe's phase 2: the same GAN head and EMA, the EMA without its warm-up. Against the warm-up it lowered the
-# 4-step student's FD on every sample seed of both training seeds measured (1.106 vs 1.317, 1.145 vs 1.291:
-# docs/digits.md, runs 10 and 11).
-PHASE2_FLAGS = [*WARMUP_PHASE2_FLAGS, *NO_WARMUP_FLAGS]
+# The recipe's phase 2 until DMD's regression joined it: the same GAN head and EMA, the EMA without its warm-up.
+# Against the warm-up it lowered the 4-step student's FD on every sample seed of both training seeds measured (1.106
+# vs 1.317, 1.145 vs 1.291: docs/digits.md, runs 10 and 11). Now --ablation no-regression.
+NO_REGRESSION_PHASE2_FLAGS = [*WARMUP_PHASE2_FLAGS, *NO_WARMUP_FLAGS]
+# DMD's regression loss (the first DMD paper, docs/dmd2.md): w = 0.25 (DMD's lambda_reg) of the L2 between the
+# student's one-step output from a cached noise and the teacher's 28-step Euler sample from it, on REGRESSION_PAIRS
+# pairs the recipe writes once from its teacher (a stage of its own). It pulls the student, less precise and more
+# diverse than its teacher (precision 0.69 vs 0.81, recall 0.85 vs 0.71), toward the teacher's own mapping of noise
+# to digit.
+REGRESSION_FLAGS = ["--dmd2-regression-weight", "0.25"]
+# The recipe's phase 2: the GAN head, the EMA without warm-up and the regression term. Against the same without the
+# term it lowered the 4-step student's FD on every sample seed of both training seeds measured (1.020 vs 1.107,
+# 1.045 vs 1.146: docs/digits.md, runs 17 and 18).
+PHASE2_FLAGS = [*NO_REGRESSION_PHASE2_FLAGS, *REGRESSION_FLAGS]
+# The regression's cached teacher pairs: prompts.jsonl's 1,000 records once each (100 per digit).
+REGRESSION_PAIRS = 1000
 
 
 # Students beside the recipe's, for docs/digits.md's phase-2 ablation and the LoRA comparison (``--ablation NAME``,
@@ -102,6 +116,8 @@ LORA_FLAGS = [*WARMUP_PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--crit
 ABLATIONS = {
     # The recipe's phase 2 as first measured: its EMA with diffusers' warm-up.
     "warmup": WARMUP_PHASE2_FLAGS,
+    # The recipe's phase 2 before DMD's regression term joined it (runs 10 to 16).
+    "no-regression": NO_REGRESSION_PHASE2_FLAGS,
     # The EMA alone, no GAN head.
     "ema": EMA_FLAGS,
     # The EMA, and both learning rates decaying to 1e-5 (cosine) instead of staying constant.
@@ -120,12 +136,12 @@ ABLATIONS = {
     # The step grid: tianweiy/DMD2's evenly spaced 4-step timesteps (999, 749, 499, 249 there), sigma = 1, 0.75,
     # 0.5, 0.25, instead of the flow-shift-3 grid (1, 0.9, 0.75, 0.5), whose last step starts at a coarser noise.
     "ema-nowarmup-linear-grid": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--diffusion-timesteps", "1000,750,500,250"],
-    # The recipe's phase 2 with the DM gradient (and the GAN's noise) drawn at σ >= 0.2 only, the opposite of
+    # The recipe's phase 2 (before the regression term) with the DM gradient (and the GAN's noise) drawn at σ >= 0.2 only, the opposite of
     # ema-uniform-sigma: more draws below 0.2 sped the drift up, and this drops the shift-3 grid's 7.5% there.
-    "sigma-min0.2": [*PHASE2_FLAGS, "--dmd2-min-timestep-ratio", "0.2"],
-    # The recipe's phase 2 with the student at half its learning rate (the critic's kept: 8x the student's, not 4x):
+    "sigma-min0.2": [*NO_REGRESSION_PHASE2_FLAGS, "--dmd2-min-timestep-ratio", "0.2"],
+    # The recipe's phase 2 (before the regression term) with the student at half its learning rate (the critic's kept: 8x the student's, not 4x):
     # the student widens past the teacher (precision falls all run long) while its critic lags behind it.
-    "student-lr5e-5": [*PHASE2_FLAGS, "--lr", "5e-5"],
+    "student-lr5e-5": [*NO_REGRESSION_PHASE2_FLAGS, "--lr", "5e-5"],
     "gan-late": GAN_LATE_FLAGS,
     "gan-late-mismatch": GAN_LATE_MISMATCH_FLAGS,
     "gan-late-mismatch-nowarmup": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS],
@@ -141,15 +157,7 @@ ABLATIONS = {
     # of the student's digits (train/dmd2_reward_dm_grad_ratio over 20 rollouts: docs/dmd2.md).
     "reward": [*WARMUP_PHASE2_FLAGS, "--dmd2-reward-weight", "0.5",
                "--dmd2-reward-function-path", "miles.eval.digits.reward.digit_log_prob"],
-    # DMD's regression loss (the first DMD paper, docs/dmd2.md): the recipe's phase 2 plus w = 0.25 (DMD's lambda_reg)
-    # of the L2 between the student's one-step output from a cached noise and the teacher's 28-step Euler sample from
-    # it, on REGRESSION_PAIRS pairs the recipe writes once from its teacher (a stage of its own). The student is less
-    # precise than its teacher (0.69 vs 0.81) and more diverse (recall 0.85 vs 0.71); the teacher's own mapping of
-    # noise to digit is what this term pulls it toward.
-    "regression": [*PHASE2_FLAGS, "--dmd2-regression-weight", "0.25"],
 }  # fmt: skip
-# The regression ablation's cached teacher pairs: prompts.jsonl's 1,000 records once each (100 per digit).
-REGRESSION_PAIRS = 1000
 
 
 def stage_done(path: Path) -> bool:

@@ -126,7 +126,7 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     env = _env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for stage in ("init", "teacher", "student-4step-cfg3"):
+    for stage in ("init", "teacher", "regression-pairs-cfg3", "student-4step-cfg3"):
         assert (out / stage / ".miles_stage_complete.json").is_file(), stage
     summary = (out / "summary.md").read_text()
     for row in ("teacher-28step-cfg3", "teacher-4step-cfg3", "teacher-1step-cfg3", "student-4step-cfg3", "real-train"):
@@ -157,7 +157,7 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
-    assert "[sweep] reusing" in again.stderr
+    assert "[sweep] reusing" in again.stderr and "[regression pairs] reusing" in again.stderr
     assert "train_diffusion.py" not in again.stderr
 
 
@@ -251,25 +251,25 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
         (5, 1.6e-3),
     ]
     assert parsed["ema-nowarmup-linear-grid"].diffusion_timesteps == [1000, 750, 500, 250]
-    # The recipe's own phase 2 holds its EMA at 0.99 from the first step; "warmup" is the phase 2 first measured.
+    # The recipe's own phase 2 holds its EMA at 0.99 from the first step and adds DMD's regression term on the pairs
+    # the recipe writes; "warmup" is the phase 2 first measured, "no-regression" the one before the term.
     recipe_student = parse_args([*recipe.STUDENT_FLAGS, *recipe.PHASE2_FLAGS, "--dmd2-gan-real-data", "r.jsonl",
-                                 "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p",
-                                 "--num-rollout", "3"])  # fmt: skip
+                                 "--dmd2-regression-pairs", "pairs.jsonl", "--hf-checkpoint", "t", "--teacher-load",
+                                 "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     assert (recipe_student.ema_decay, recipe_student.ema_min_decay) == (0.99, 0.99)
+    assert (recipe_student.dmd2_regression_weight, recipe_student.dmd2_regression_pairs) == (0.25, "pairs.jsonl")
+    assert (
+        recipe_student.custom_loss_function_path
+        == "miles.backends.fsdp_utils.loss_hub.regression.dmd2_regression_loss"
+    )
     assert (parsed["warmup"].ema_min_decay, parsed["lora"].ema_min_decay, parsed["reward"].ema_min_decay) == (0, 0, 0)
-    assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
+    assert recipe.ABLATIONS["no-regression"] == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
+    assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["no-regression"], "--dmd2-regression-weight", "0.25"]
+    assert parsed["no-regression"].dmd2_regression_weight == 0.0
     lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.
     assert (lora.lora_rank, lora.critic_lora_rank, lora.lr, lora.critic_lr) == (16, 16, 1e-3, 4e-3)
-    # The regression variant is the recipe's student plus the term, on the pairs the recipe writes.
-    regression = parsed["regression"]
-    assert recipe.ABLATIONS["regression"] == [*recipe.PHASE2_FLAGS, "--dmd2-regression-weight", "0.25"]
-    assert (regression.dmd2_regression_weight, regression.dmd2_regression_pairs) == (
-        0.25,
-        str(tmp_path / "pairs.jsonl"),
-    )
-    assert regression.custom_loss_function_path == "miles.backends.fsdp_utils.loss_hub.regression.dmd2_regression_loss"
     late = recipe.ABLATIONS["gan-late"]
     assert late[late.index("--dmd2-gan-start-rollout") + 1] == "{half}"
 
