@@ -28,6 +28,10 @@ gen 1e-3 (SD1.5) to 5e-3 (SDXL).
 Reward (``--dmd2-reward-weight > 0``, DMDR, :mod:`miles.methods.dmd2_reward`): a frozen third group between the
 critic and the actor ships each sample's ``∂reward/∂x̂0``, which the student subtracts, weighted, from its gradient.
 
+Regression (``--dmd2-regression-weight > 0``, the first DMD paper's, :mod:`miles.methods.dmd2_regression`): each
+sample brings a cached teacher pair (noise → ODE sample) as a side input, and the student's loss adds the distance of
+its one-step output from that noise to the teacher's sample.
+
 LoRA (``--lora-rank`` for the student, ``--critic-lora-rank`` for the critic, the latter defaulting to the former):
 a critic LoRA sits on the teacher's own weights, so the critic group holds one base and the teacher is that base with
 the adapters disabled (:mod:`miles.models.lora`). Teacher adapters and a reference model are not implemented, so
@@ -44,6 +48,13 @@ from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Settings
 from miles.methods.base import Method, PhaseWork, fill_defaults, hook_path
 from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
+from miles.methods.dmd2_regression import (
+    REGRESSION_ACTOR_HOOKS,
+    add_regression_arguments,
+    regression_enabled,
+    regression_side_inputs,
+    validate_regression_args,
+)
 from miles.methods.dmd2_reward import (
     add_reward_arguments,
     check_reward_family,
@@ -281,6 +292,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
                 )
     check_lora_flags("--critic-", args, args.critic_load, teacher=args.teacher_load)
     validate_reward_args(args)
+    validate_regression_args(args)
 
 
 def _check_norm_rescale(args: argparse.Namespace) -> None:
@@ -484,12 +496,15 @@ class DMD2Method(Method):
             "discriminator's quality (eval/disc_*).",
         )
         add_reward_arguments(group)
+        add_regression_arguments(group)
 
     def set_defaults(self, args: argparse.Namespace) -> None:
         fill_defaults(
             args,
             {
                 **DMD2_ACTOR_HOOKS,
+                # The regression rows ride in the student's own forward: its prepare and loss hooks in their place.
+                **(REGRESSION_ACTOR_HOOKS if regression_enabled(args) else {}),
                 "critic_load": args.teacher_load,
                 "critic_lr": args.lr,
                 **{f"critic_{name}": getattr(args, name) for name in CRITIC_LORA_FLAGS},
@@ -557,10 +572,10 @@ class DMD2Method(Method):
         return DMD2Settings.from_args(args)
 
     def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
-        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``)."""
-        if not gan_enabled(args):
-            return []
-        return [SideInput(REAL_DATA, args.dmd2_gan_real_data, "--dmd2-gan-real-data")]
+        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``); with
+        ``--dmd2-regression-weight``: one cached teacher pair per generated sample (``pair.extras["regression"]``)."""
+        real = [SideInput(REAL_DATA, args.dmd2_gan_real_data, "--dmd2-gan-real-data")] if gan_enabled(args) else []
+        return real + regression_side_inputs(args)
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """The student's few-step schedule and the teacher's CFG scale it was distilled from."""
@@ -588,11 +603,11 @@ class DMD2Method(Method):
     def train_forward_batch(self, group_args: argparse.Namespace) -> int:
         """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
         plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
-        (``--dmd2-gan-r1-weight``)."""
-        gan_critic = (
-            group_args.custom_prepare_train_batch_path == DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]
-        )
-        if not gan_critic:
+        (``--dmd2-gan-r1-weight``); the student's with ``--dmd2-regression-weight`` 2 per pair."""
+        prepare = group_args.custom_prepare_train_batch_path
+        if prepare == REGRESSION_ACTOR_HOOKS["custom_prepare_train_batch_path"]:
+            return 2 * group_args.micro_batch_size  # the student's rows and as many regression rows
+        if prepare != DMD2_GAN_CRITIC_HOOKS["custom_prepare_train_batch_path"]:
             return group_args.micro_batch_size
         rows = 3 + (group_args.dmd2_gan_mismatch_weight > 0) + (group_args.dmd2_gan_r1_weight > 0)
         return rows * group_args.micro_batch_size

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         ("image_dir", "folder of .png / .jpg / .webp images"),
         "output directory",
         batch_size=8,
-        unit="image",
+        batch_help="images per encoder call",
     )
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")

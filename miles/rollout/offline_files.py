@@ -117,18 +117,16 @@ def batches(items: list, batch_size: int, progress: bool | None, unit: str, desc
 
 
 def command_parser(
-    prog: str, description: str, source: tuple[str, str], out_help: str, batch_size: int, unit: str
+    prog: str, description: str, source: tuple[str, str], out_help: str, batch_size: int, batch_help: str
 ) -> argparse.ArgumentParser:
     """An offline command's parser: the positionals ``pipeline`` (any model family), ``source`` (``(name, help)``, what
-    the command encodes) and ``out_dir``, ``--batch-size`` (default ``batch_size`` ``unit``s per encoder call) and
-    ``--diffusion-model-family``; the command adds its options."""
+    the command reads) and ``out_dir``, ``--batch-size`` (default ``batch_size``; ``batch_help`` says of what, e.g.
+    ``"prompts per encoder call"``) and ``--diffusion-model-family``; the command adds its options."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("pipeline", help="pipeline directory (any model family)")
     parser.add_argument(source[0], help=source[1])
     parser.add_argument("out_dir", help=out_help)
-    parser.add_argument(
-        "--batch-size", type=int, default=batch_size, help=f"{unit}s per encoder call (default: {batch_size})"
-    )
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"{batch_help} (default: {batch_size})")
     parser.add_argument(
         "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
     )

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prompts", "JSONL prompt file"),
         "cache directory to write",
         batch_size=16,
-        unit="prompt",
+        batch_help="prompts per encoder call",
     )
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--cond-key", default="cond", help="key naming each record's cond file (default: cond)")

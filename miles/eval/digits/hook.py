@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from miles.eval.digits.data import DIGIT_PROMPTS
+from miles.eval.digits.data import DIGIT_PROMPTS, load_split
 from miles.eval.digits.grids import save_digit_grid
 from miles.eval.digits.metrics import evaluate_images, evaluate_real_baseline, summary_notes
 from miles.eval.grids import eval_grid_path
 from miles.eval.report import aggregate_seeds, log_to_wandb, write_summary
 from miles.models.digits_pipeline import DigitsPipeline
+from miles.utils.health import reference_figures
 
 __all__ = [
     "TEACHER_STEPS",
@@ -333,7 +334,10 @@ def digits_eval_hook(args: Any, images: Any, records: list[dict], rollout_id: in
             (:func:`eval_grid_path`).
 
     Returns:
-        ``{"accuracy", "fd", "precision", "recall", "spread_ratio"}`` as floats (NaN when not computable).
+        ``{"accuracy", "fd", "precision", "recall", "spread_ratio"}`` as floats (NaN when not computable), and the
+        collapse alarms' ``"diversity_ratio"`` (the per-class pixel spread across samples over the held-out real
+        digits') and ``"saturated_excess"`` (the share of pixels at 0 or 255 minus the real digits')
+        (:func:`miles.utils.health.reference_figures`; the ratio needs two images of a class).
 
     Raises:
         ValueError: when a record has no label or N is not a multiple of the record count.
@@ -358,4 +362,9 @@ def digits_eval_hook(args: Any, images: Any, records: list[dict], rollout_id: in
     save_digit_grid(
         images, labels, eval_grid_path(args, rollout_id), per_row=int(min(np.bincount(labels).max(), 10)), title=title
     )
-    return {key: float("nan") if result.get(key) is None else float(result[key]) for key in _HOOK_FIGURES}
+    figures = {key: float("nan") if result.get(key) is None else float(result[key]) for key in _HOOK_FIGURES}
+    # The collapse alarms' figures against the held-out real digits of each prompt's class (miles.utils.health).
+    real_images, real_labels = load_split("heldout")
+    figures.update(reference_figures(images, [str(label) for label in labels], real_images,
+                                     [str(label) for label in real_labels]))  # fmt: skip
+    return figures

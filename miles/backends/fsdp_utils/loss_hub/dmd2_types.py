@@ -60,6 +60,8 @@ class DMD2Settings:
         gan_eval_real_data: held-out real samples for the discriminator's figures at evaluations, or None.
         reward_weight: w of the reward term (DMDR): the student's x0 gradient gains ``−w·∂reward/∂x̂0`` (0: off).
         reward_function_path: the reward hook ``fn(images, prompts) -> rewards`` by dotted path, or None.
+        regression_weight: w of DMD's regression loss on cached teacher pairs (``loss_hub.regression``; 0: off).
+        regression_pairs: the JSONL of those pairs (``python -m miles.rollout.regression_pairs``), or None.
     """
 
     critic_steps_per_rollout: int = 5
@@ -85,6 +87,8 @@ class DMD2Settings:
     gan_eval_real_data: str | None = None
     reward_weight: float = 0.0
     reward_function_path: str | None = None
+    regression_weight: float = 0.0
+    regression_pairs: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DMD2Settings":
@@ -114,6 +118,8 @@ class DMD2Settings:
             gan_eval_real_data=args.dmd2_gan_eval_real_data,
             reward_weight=float(args.dmd2_reward_weight),
             reward_function_path=args.dmd2_reward_function_path,
+            regression_weight=float(args.dmd2_regression_weight),
+            regression_pairs=args.dmd2_regression_pairs,
         )
 
     @property
