@@ -23,7 +23,6 @@ factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smalle
 than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
 """
 
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -255,15 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
 
-    def summary(manifest: dict, ns: argparse.Namespace) -> str:
+    def summary(manifest: dict, out: Path) -> str:
         return (
-            f"encoded {manifest['count']} images to latents {tuple(manifest['latent_shape'])} in {ns.out_dir}; "
-            f"train with --train-only --prompt-data {Path(ns.out_dir) / 'data.jsonl'}"
+            f"encoded {manifest['count']} images to latents {tuple(manifest['latent_shape'])} in {out}; "
+            f"train with --train-only --prompt-data {out / 'data.jsonl'}"
         )
 
-    return offline_files.run_command(
-        parser, argv, encode_image_folder, lambda ns: {"captions": ns.captions, "prompt": ns.prompt}, summary
-    )
+    return offline_files.run_command(parser, argv, encode_image_folder, ("captions", "prompt"), summary)
 
 
 if __name__ == "__main__":

@@ -138,12 +138,12 @@ def run_command(
     parser: argparse.ArgumentParser,
     argv: list[str] | None,
     work: Callable[..., dict[str, Any]],
-    options: Callable[[argparse.Namespace], dict[str, Any]],
-    summary: Callable[[dict[str, Any], argparse.Namespace], str],
+    options: tuple[str, ...],
+    summary: Callable[[dict[str, Any], Path], str],
 ) -> int:
-    """Run an offline command with INFO logging: ``work(pipeline, source, out_dir, batch_size=, family_name=,
-    **options(ns))``, then print ``summary(manifest, ns)``. Returns the exit code: 0, or 2 after one ``<prog>:
-    error:`` line on stderr for an ``OfflineDataError``."""
+    """Run an offline command with INFO logging: ``work(pipeline, source, out_dir, batch_size=, family_name=, **{name:
+    ns.<name> for name in options})``, then print ``summary(manifest, out_dir)``. Returns the exit code: 0, or 2 after
+    one ``<prog>: error:`` line on stderr for an ``OfflineDataError``."""
     from miles.utils.log import setup_logging
 
     ns = parser.parse_args(argv)
@@ -155,10 +155,10 @@ def run_command(
             ns.out_dir,
             batch_size=ns.batch_size,
             family_name=ns.diffusion_model_family,
-            **options(ns),
+            **{name: getattr(ns, name) for name in options},
         )
     except OfflineDataError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(summary(manifest, ns))
+    print(summary(manifest, Path(ns.out_dir)))
     return 0

@@ -24,7 +24,6 @@ last bits between batch compositions, so a run without the cache reproduces a ca
 micro-batches hold the same prompts (``--batch-size 1`` makes every cond independent of its batch).
 """
 
-import argparse
 import hashlib
 import logging
 import sys
@@ -184,17 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
 
-    def options(ns: argparse.Namespace) -> dict:
-        keys = ("input_key", "cond_key", "negative_prompt", "device", "dtype")
-        return {key: getattr(ns, key) for key in keys}
-
-    def summary(manifest: dict, ns: argparse.Namespace) -> str:
-        out = Path(ns.out_dir)
+    def summary(manifest: dict, out: Path) -> str:
         return (
             f"cached {manifest['count']} distinct prompts ({manifest['records']} records, {manifest['family']}) in "
             f"{out}; train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
         )
 
+    options = ("input_key", "cond_key", "negative_prompt", "device", "dtype")
     return offline_files.run_command(parser, argv, write_prompt_cache, options, summary)
 
 

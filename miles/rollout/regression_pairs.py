@@ -24,7 +24,6 @@ tensor, kept for inspection. The same command, teacher and flags write the same 
 ``--dmd2-regression-weight 0.25 --dmd2-regression-pairs OUT_DIR/pairs.jsonl``.
 """
 
-import argparse
 import json
 import logging
 import sys
@@ -220,18 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--device", default="cpu", help="device of the teacher and its text encoder (default: cpu)")
 
-    def options(ns: argparse.Namespace) -> dict:
-        keys = ("num_pairs", "num_steps", "guidance_scale", "flow_shift", "seed", "input_key", "device")
-        return {key: getattr(ns, key) for key in keys}
-
-    def summary(manifest: dict, ns: argparse.Namespace) -> str:
-        out = Path(ns.out_dir)
+    def summary(manifest: dict, out: Path) -> str:
         return (
             f"wrote {manifest['count']} regression pairs ({manifest['family']}, {manifest['num_steps']} Euler steps, "
             f"CFG {manifest['guidance_scale']:g}) to {out}; train with --dmd2-regression-weight 0.25 "
             f"--dmd2-regression-pairs {out / 'pairs.jsonl'}"
         )
 
+    options = ("num_pairs", "num_steps", "guidance_scale", "flow_shift", "seed", "input_key", "device")
     return run_command(parser, argv, write_regression_pairs, options, summary)
 
 
