@@ -13,8 +13,8 @@ import torch
 
 from miles.driver.estimate import log_estimate
 from miles.driver.memory_plan import log_memory_plan
+from miles.driver.work import work_per_rank
 from miles.methods import compute_trainer_configs, get_method
-from miles.methods.base import PhaseWork
 from miles.utils.profiling import profile_dir
 from miles.utils.trainer_config import compute_trainer_args, trains
 from miles.utils.validation import dp_size, flag, rollout_pairs
@@ -25,39 +25,6 @@ logger = logging.getLogger(__name__)
 
 # Eval images per evaluation above which the dry run warns (they are gathered in the driver and tiled there).
 LARGE_EVAL_IMAGES = 256
-
-
-def work_per_rank(args) -> list[tuple[str, PhaseWork]]:
-    """``(group, PhaseWork)`` of one DP rank per rollout.
-
-    Rollout: the actor ranks (or the engine replicas) sample their shard in micro-batches; each micro-batch runs up
-    to every step of the schedule (the largest stop step), with a doubled batch under student CFG. Train: each group
-    runs ``num_steps_per_rollout`` windows of micro-batches, one forward and backward each, then its train-output
-    hook's forwards (the method's).
-    """
-    dp = dp_size(args)
-    pairs = rollout_pairs(args) // dp
-    micro = args.micro_batch_size
-    work = []
-    if not args.train_only:
-        steps = len(args.diffusion_timesteps) if args.diffusion_timesteps else args.diffusion_num_steps
-        cfg = 2 if args.diffusion_guidance_scale != 1 else 1
-        chunks = -(-pairs // micro)
-        if args.rollout_num_gpus:
-            chunks *= dp // args.rollout_num_gpus
-        where = "engine replica" if args.rollout_num_gpus else "actor"
-        work.append((where, PhaseWork("rollout (at most)", chunks * steps, 0, cfg * micro)))
-    method = get_method(args)
-    for config in compute_trainer_configs(args):
-        group_args = compute_trainer_args(args, config)
-        if trains(group_args):  # a frozen group (the DMD2 reward group) only runs its train-output hook
-            per_window = -(-pairs // group_args.num_steps_per_rollout // micro) if pairs else 0
-            count = group_args.num_steps_per_rollout * per_window
-            work.append(
-                (config.role, PhaseWork(f"{group_args.num_steps_per_rollout} optimizer steps", count, count, micro))
-            )
-        work += [(config.role, phase) for phase in method.train_output_work(group_args, pairs)]
-    return work
 
 
 def log_plan(args) -> None:

@@ -197,12 +197,15 @@ def write_regression_pairs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
+    """``python -m miles.rollout.regression_pairs TEACHER PROMPTS OUT_DIR [--num-pairs N ...]``; returns the exit code
+    (0, or 2 after one error line on stderr)."""
     parser = command_parser(
         "python -m miles.rollout.regression_pairs",
         "Write the teacher's noise -> ODE sample pairs of DMD's regression loss (--dmd2-regression-pairs).",
-        [("prompts", "JSONL prompt file (pair j takes record j mod its count)")],
+        ("prompts", "JSONL prompt file (pair j takes record j mod its count)"),
         "pairs directory to write",
+        batch_size=64,
+        batch_help="pairs per teacher forward",
     )
     parser.add_argument("--num-pairs", type=int, default=1000, help="pairs to write (default: 1000)")
     parser.add_argument("--num-steps", type=int, default=28, help="the teacher's Euler steps (default: 28)")
@@ -215,37 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--device", default="cpu", help="device of the teacher and its text encoder (default: cpu)")
-    parser.add_argument("--batch-size", type=int, default=64, help="pairs per teacher forward (default: 64)")
-    parser.add_argument(
-        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
-    )
-    ns = parser.parse_args(argv)
-    manifest = run_command(
-        parser,
-        lambda: write_regression_pairs(
-            ns.pipeline,
-            ns.prompts,
-            ns.out_dir,
-            num_pairs=ns.num_pairs,
-            num_steps=ns.num_steps,
-            guidance_scale=ns.guidance_scale,
-            flow_shift=ns.flow_shift,
-            seed=ns.seed,
-            input_key=ns.input_key,
-            device=ns.device,
-            batch_size=ns.batch_size,
-            family_name=ns.diffusion_model_family,
-        ),
-    )
-    if manifest is None:
-        return 2
-    out = Path(ns.out_dir)
-    print(
-        f"wrote {manifest['count']} regression pairs ({manifest['family']}, {manifest['num_steps']} Euler steps, "
-        f"CFG {manifest['guidance_scale']:g}) to {out}; train with --dmd2-regression-weight 0.25 "
-        f"--dmd2-regression-pairs {out / 'pairs.jsonl'}"
-    )
-    return 0
+
+    def summary(manifest: dict, out: Path) -> str:
+        return (
+            f"wrote {manifest['count']} regression pairs ({manifest['family']}, {manifest['num_steps']} Euler steps, "
+            f"CFG {manifest['guidance_scale']:g}) to {out}; train with --dmd2-regression-weight 0.25 "
+            f"--dmd2-regression-pairs {out / 'pairs.jsonl'}"
+        )
+
+    options = ("num_pairs", "num_steps", "guidance_scale", "flow_shift", "seed", "input_key", "device")
+    return run_command(parser, argv, write_regression_pairs, options, summary)
 
 
 if __name__ == "__main__":

@@ -74,17 +74,15 @@ def sample_digits(
     n_per_class: int,
     *,
     seed: int,
-    num_steps: int | None = None,
-    guidance_scale: float | None = None,
-    step_rule: str | None = None,
-    shift: float | None = None,
     batch_size: int = 100,
     desc: str = "sampling",
+    **schedule: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Draw ``n_per_class`` digits of each class 0..9 (sample indices ``0..10·n_per_class − 1``, class-major).
 
-    Arguments after ``seed`` are :meth:`DigitsPipeline.__call__`'s (None = the pipeline's default). A tqdm bar
-    counts the images (hidden when stderr is not a terminal).
+    ``schedule`` holds the sampling keywords of :meth:`DigitsPipeline.__call__` (``num_inference_steps``,
+    ``guidance_scale``, ``step_rule``, ``shift``; unset or None = the pipeline's default). A tqdm bar counts the
+    images (hidden when stderr is not a terminal).
 
     Returns:
         ``(images, labels)``: uint8 ``(N, 8, 8, 1)`` pixels 0..255 and int64 ``(N,)`` labels, N = 10·n_per_class.
@@ -103,13 +101,10 @@ def sample_digits(
             chunks.append(
                 pipeline(
                     prompts[start:stop],
-                    num_inference_steps=num_steps,
-                    guidance_scale=guidance_scale,
-                    step_rule=step_rule,
                     seed=seed,
-                    shift=shift,
                     sample_indices=list(range(start, stop)),
                     batch_size=batch_size,
+                    **schedule,
                 ).images
             )
             bar.update(stop - start)
@@ -168,12 +163,12 @@ def evaluate_pipeline(
         pipeline,
         n_per_class,
         seed=seed,
-        num_steps=schedule["num_inference_steps"],
+        batch_size=batch_size,
+        desc=name,
+        num_inference_steps=schedule["num_inference_steps"],
         guidance_scale=scale,
         step_rule=schedule["step_rule"],
         shift=shift,
-        batch_size=batch_size,
-        desc=name,
     )
     seconds = time.perf_counter() - start
     row_meta = {

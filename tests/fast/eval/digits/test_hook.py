@@ -80,7 +80,8 @@ def test_a_row_reports_its_samples_seed_settings_and_grid(teacher_row, teacher_d
 def test_a_row_is_the_metrics_of_its_seeded_samples_and_repeats_exactly(teacher_row, teacher_dir):
     row, kwargs = teacher_row
     pipeline = load_pipeline(teacher_dir)
-    images, labels = sample_digits(pipeline, N_PER_CLASS, seed=11, num_steps=4, guidance_scale=3.0, step_rule="euler")
+    call = {"num_inference_steps": 4, "guidance_scale": 3.0, "step_rule": "euler"}
+    images, labels = sample_digits(pipeline, N_PER_CLASS, seed=11, **call)
     assert images.shape == (30, 8, 8, 1) and images.dtype == np.uint8
     np.testing.assert_array_equal(labels, np.repeat(np.arange(10), N_PER_CLASS))
     direct = evaluate_images(images, labels, seed=11, name="direct")
