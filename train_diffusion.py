@@ -7,6 +7,7 @@ Per rollout (docs/architecture.md)::
     for role, group in groups:                                     # dmd2: critic, then actor
         outs[role] = group.train(rollout_id, pairs, external_data=outs so far)   # rank i gets rank i's boxes
     save / evaluate periodically (the checkpoint first, so a failing eval hook cannot cost it)
+    --keep-best: a new best evaluation is exported to <save-hf>-best and its checkpoint kept
 
 Train the bundled digits pipeline with SFT on 2 CPU ranks::
 
@@ -100,6 +101,7 @@ def run_rollouts(
     tracker,
     turns: DeviceTurns | None = None,
     eval_hook=None,
+    keep_best=None,
 ) -> None:
     """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, save, evaluate.
 
@@ -110,6 +112,7 @@ def run_rollouts(
         tracker: the driver's ``MetricsTracker``: every train, perf and eval figure of the run.
         turns: the groups' :class:`DeviceTurns`; default: made here (:func:`device_turns`).
         eval_hook: ``--eval-function-path``'s function (``RunSpec.eval_hook``), or None.
+        keep_best: ``--keep-best``'s :class:`~miles.driver.keep_best.KeepBest` (restored on a resume), or None.
     """
     from miles.driver.console import RolloutProgress
     from miles.driver.evaluation import maybe_evaluate
@@ -123,6 +126,8 @@ def run_rollouts(
         turns = device_turns(groups)
     progress = RolloutProgress(args, start_rollout_id)
     alarmed: set[str] = set()  # health figures outside their threshold, warned about once until they recover
+    eval_alarmed: set[str] = set()  # the same for the evaluations' figures, which only evaluations update
+    best = keep_best.state() if keep_best is not None else None
     try:
         for rollout_id in range(start_rollout_id, args.num_rollout):
             perf: dict[str, float] = {}
@@ -159,14 +164,26 @@ def run_rollouts(
                 with _timer(perf, "perf/update_weights_time"):
                     actor.get(actor.async_update_weights(engines.engines), "update_weights", rollout_id)
             # Save before evaluating: a failing eval hook must not cost the rollout's checkpoint.
-            if should_save(args, rollout_id):
+            saved = should_save(args, rollout_id)
+            if saved:
                 with _timer(perf, "perf/save_time"):
-                    save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id)
+                    save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id, best)
                 progress.note(f"saved rollout {rollout_id} to {args.save}")
             with _timer(perf, "perf/eval_time"):
                 eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups, eval_hook)
             if eval_metrics:
                 progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
+                current = {alarm.split("=")[0]: alarm for alarm in alarms(eval_metrics)}
+                for name in sorted(set(current) - eval_alarmed):
+                    progress.note(
+                        f"warning: eval after rollout {rollout_id}: {current[name]}; the student's samples may be "
+                        "collapsing or oversaturated"
+                    )
+                eval_alarmed = set(current)
+            if eval_metrics and keep_best is not None and keep_best.update(eval_metrics, rollout_id):
+                best = keep_best.state()
+                with _timer(perf, "perf/save_time"):
+                    progress.note(keep_new_best(args, rollout_id, best, saved, rollout_manager, groups, tracker))
             perf.update(turns.take_perf())
             perf["perf/step_time"] = time.perf_counter() - step_start
             tracker.log(perf, rollout_id)
@@ -184,6 +201,40 @@ def device_turns(groups: dict) -> DeviceTurns:
     return DeviceTurns(groups, needs_sleep(len(groups), use_gpu_bundles()))
 
 
+def keep_new_best(args, rollout_id: int, best: dict, saved: bool, rollout_manager, groups: dict, tracker) -> str:
+    """``--keep-best``: rollout ``rollout_id`` evaluated best so far. Export its student to ``<save-hf>-best`` first
+    (so that the export never holds a worse rollout than the run records), then keep its checkpoint: save it now
+    (a rollout between two saves) or record the best in its run record (a save rollout's, written before its
+    evaluation), so that pruning spares it and a resume continues from it. Logs ``best/<metric>`` and
+    ``best/rollout_id``; returns the line to print."""
+    from miles.driver.arguments import run_paths
+    from miles.driver.export import export_schedule
+    from miles.driver.keep_best import best_export_dir
+    from miles.driver.resume import run_record, write_run_record
+
+    actor = groups["actor"]
+    kept = []
+    if args.save_hf:
+        out = best_export_dir(args.save_hf)
+        paths = [*run_paths(args), ("--save-hf", args.save_hf)]
+        actor.get(actor.async_export_hf(str(out), export_schedule(args), paths, best), "export_hf", rollout_id)
+        kept.append(f"exported to {out}")
+    if args.save:
+        if saved:
+            write_run_record(
+                group_dirs([group.spec for group in groups.values()], "save")[0],
+                run_record(args, rollout_id, tracker.wandb_run_id, best),
+            )
+        else:
+            save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id, best)
+        kept.append(f"kept {os.path.join(args.save, f'rollout_{rollout_id}')}")
+    name = best["metric"].removeprefix("eval/")
+    tracker.log({f"best/{name}": best["value"], "best/rollout_id": rollout_id}, rollout_id)
+    return (
+        f"new best {best['metric']}={best['value']:.6g} ({best['mode']}) after rollout {rollout_id}: {', '.join(kept)}"
+    )
+
+
 def group_dirs(groups, name: str) -> list[str]:
     """Every trainer group's ``"load"`` or ``"save"`` directory (``name``; ``groups``: their specs, in training
     order), the actor's first; a frozen group has none."""
@@ -193,10 +244,13 @@ def group_dirs(groups, name: str) -> list[str]:
     return [directory for directory in dirs if directory]
 
 
-def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run_id: str | None = None) -> None:
+def save_rollout(
+    args, rollout_id: int, rollout_manager, groups: dict, wandb_run_id: str | None = None, best: dict | None = None
+) -> None:
     """One commit: every group saves the rollout (the actor's with the data cursor, then the run record of
-    ``miles.driver.resume``), then ``<save>/latest`` moves to it, then old checkpoints beyond ``--save-keep-last``
-    go. A crash before the commit costs this rollout only."""
+    ``miles.driver.resume``, with ``best``: ``--keep-best``'s state), then ``<save>/latest`` moves to it, then old
+    checkpoints beyond ``--save-keep-last`` go, the best rollout's spared. A crash before the commit costs this
+    rollout only."""
     from miles.driver.resume import run_record, write_run_record
     from miles.driver.run_dir import commit, prune
     from miles.ray.errors import get_all
@@ -208,9 +262,10 @@ def save_rollout(args, rollout_id: int, rollout_manager, groups: dict, wandb_run
         if group.spec.checkpoint.save:  # a frozen group (the DMD2 reward group) has nothing to save
             group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
     dirs = group_dirs([group.spec for group in groups.values()], "save")
-    write_run_record(dirs[0], run_record(args, rollout_id, wandb_run_id))
+    write_run_record(dirs[0], run_record(args, rollout_id, wandb_run_id, best))
     commit(dirs, rollout_id)
-    for path in prune(dirs, rollout_id, args.save_keep_last, args.save_keep_every):
+    keep = (best["rollout_id"],) if best and best.get("rollout_id") is not None else ()
+    for path in prune(dirs, rollout_id, args.save_keep_last, args.save_keep_every, keep):
         logger.debug("pruned %s", path)
 
 
@@ -225,6 +280,7 @@ def train(args, run=None) -> None:
     from miles.driver.console import log_groups_ready
     from miles.driver.evaluation import move_aside_earlier_eval
     from miles.driver.export import export_schedule
+    from miles.driver.keep_best import KeepBest, read_best_export
     from miles.driver.resume import read_run_record, resumed_line
     from miles.driver.run_dir import read_data_state, remove_checkpoints, remove_uncommitted, resume_rollout
     from miles.driver.specs import build_run_spec
@@ -283,6 +339,7 @@ def train(args, run=None) -> None:
         actor = groups["actor"]
         start = actor.start_rollout_id
         record = None
+        keep_best = KeepBest.from_args(args)
         if load_rollout_id is not None:
             _, data_state = read_data_state(args.load, load_rollout_id)
             if data_state is not None:
@@ -290,12 +347,18 @@ def train(args, run=None) -> None:
             record = read_run_record(args.load, load_rollout_id)
             for line in resumed_line(args, start, sorted(groups, key=lambda role: role != "actor"), record):
                 logger.info("%s", line)
+            if keep_best is not None:
+                # The record's best, or the best export's when a crash came between the export and the commit.
+                for line in keep_best.restore((record or {}).get("keep_best"), read_best_export(args.save_hf)):
+                    logger.info("%s", line)
         if engines is not None:
             # The replicas loaded --hf-checkpoint; after a resume the actor's weights differ.
             actor.get(actor.async_update_weights(engines.engines), "update_weights")
         # A resumed run continues the wandb run whose id its checkpoint kept.
         tracker = MetricsTracker(args, job="driver", wandb_run_id=(record or {}).get("wandb_run_id"))
-        run_rollouts(args, rollout_manager, groups, engines, start, tracker, turns, run.eval_hook)
+        run_rollouts(args, rollout_manager, groups, engines, start, tracker, turns, run.eval_hook, keep_best)
+        if keep_best is not None:
+            logger.info("%s", keep_best.summary(args.save, args.save_hf))
         if args.save_hf:
             # Checked again now (the directory may have appeared during the training), and by the writing rank
             # right before it renames the export into place.

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from miles.driver.memory_plan import GIB, GroupSpec, LoraSpec, PlanSetting, fit_line, memory_table, plan_group
-from miles.models.memory import TEXT_TOKENS, image_tokens_at
+from miles.models import family_class
 
 CONFIGS = Path(__file__).resolve().parents[1] / "miles" / "models" / "configs"
 MODELS = {
@@ -39,6 +39,12 @@ MODELS = {
     "flux2_klein_4b": "FLUX.2-klein-4B",
     "qwen_image": "Qwen-Image",
 }
+# The model family of each config: it lays out the activations and says the tokens per sample.
+FAMILIES = {"sd35_medium": "sd3", "sd35_large": "sd3", "flux1_dev": "flux", "flux2_klein_4b": "flux2",
+            "qwen_image": "qwen_image"}  # fmt: skip
+# Pixels per image-token side of every model of the table: the VAE's 8×, then a patch of 2 (SD3.5) or the 2×2 packing
+# (FLUX.1, Qwen-Image) or patchify (FLUX.2) of the pipeline: 4096 tokens at 1024 px.
+PIXELS_PER_TOKEN = 16
 GPUS = (1, 8, 64)
 GPU_GB = (80, 141)
 # vvvvvjdy/dmdr: generator LoRA rank 2 × 32, critic ("guidance") rank 32
@@ -61,15 +67,25 @@ def group_specs(config: dict, lora: bool, ema: bool) -> list[GroupSpec]:
     ]
 
 
-def setting(config: dict, gpus: int, resolution: int, zero3: bool) -> PlanSetting:
+def setting(name: str, config: dict, gpus: int, resolution: int, zero3: bool) -> PlanSetting:
+    """The plan's setting for model ``name`` at ``resolution`` × ``resolution`` pixels: its family's activation
+    layout and the stock pipeline's text tokens (the family's), :data:`PIXELS_PER_TOKEN` per image-token side.
+
+    Raises:
+        ValueError: for a resolution that is not a whole number of tokens.
+    """
+    family = family_class(FAMILIES[name])(CONFIGS)
+    if resolution % PIXELS_PER_TOKEN:
+        raise ValueError(f"resolution {resolution} is not a multiple of {PIXELS_PER_TOKEN} pixels per token side")
     return PlanSetting(
         dp_size=gpus,
         compute_dtype=torch.bfloat16,
-        image_tokens=image_tokens_at(config, resolution),
-        text_tokens=TEXT_TOKENS[config["_class_name"]],
+        image_tokens=(resolution // PIXELS_PER_TOKEN) ** 2,
+        text_tokens=family.text_tokens(CONFIGS),
         gradient_checkpointing=True,
         reshard_every_microbatch=zero3,
         ranks_per_node=min(gpus, 8),  # nodes of 8 GPUs
+        family=family,
     )
 
 
@@ -95,7 +111,7 @@ def table(resolution: int, ema: bool) -> list[str]:
                 cells = []
                 for zero3 in (False, True):
                     plans = {
-                        spec.role: plan_group(spec, setting(config, gpus, resolution, zero3))
+                        spec.role: plan_group(spec, setting(name, config, gpus, resolution, zero3))
                         for spec in group_specs(config, lora, ema)
                     }
                     peaks = f"{plans['actor'].peak / GIB:.1f} / {plans['critic'].peak / GIB:.1f}"
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.detail:
         config = load_config(args.detail)
-        plan_setting = setting(config, args.gpus, args.resolution, args.zero3)
+        plan_setting = setting(args.detail, config, args.gpus, args.resolution, args.zero3)
         plans = [plan_group(spec, plan_setting) for spec in group_specs(config, args.lora, args.ema)]
         print("\n".join([*memory_table(plan_setting, plans), *(fit_line(plans, gb * GIB) for gb in GPU_GB)]))
         return 0

@@ -19,7 +19,9 @@ of its keys is in the file (the names: docs/architecture.md, "Metrics"), so an S
   ``perf/step_time`` labelled "driver and Ray". A run without in-worker timers stacks the driver's own timers
   (``perf/rollout_time``, ``perf/<role>_train_time``, ``perf/update_weights_time``, ...) instead; they are
   consecutive intervals of one rollout, so they stack too.
-* ``health.png``: every ``health/*`` per rollout.
+* ``health.png``: every ``health/*`` per rollout (the evaluations' ``health/eval_*`` at each evaluation), and the
+  eval hook's collapse figures ``eval/diversity_ratio`` and ``eval/saturated_excess``; a dashed line marks each
+  alarm threshold (:data:`miles.utils.health.THRESHOLDS`).
 
 How the file is read:
 
@@ -52,6 +54,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from miles.utils.health import EVAL_FIGURES, THRESHOLDS
 from miles.utils.tracking import METRICS_FILE
 
 __all__ = [
@@ -248,7 +251,7 @@ def _wants_log(values: np.ndarray) -> bool:
     return len(finite) > 1 and bool((finite > 0).all()) and finite.max() / finite.min() > LOG_SPAN
 
 
-def _draw_series(ax, series: Series, *, smooth: bool, log: bool, y_label: str) -> None:
+def _draw_series(ax, series: Series, *, smooth: bool, log: bool, y_label: str, limits: bool = False) -> None:
     x, y = series.x, series.y
     finite = np.isfinite(y)
     if smooth and finite.sum() >= SMOOTH_MIN_POINTS:
@@ -271,6 +274,10 @@ def _draw_series(ax, series: Series, *, smooth: bool, log: bool, y_label: str) -
             clip_on=False,
             label=f"non-finite ({int(bad.sum())})",
         )
+    if limits and series.key in THRESHOLDS:
+        for bound in THRESHOLDS[series.key]:
+            if math.isfinite(bound):
+                ax.axhline(bound, ls="--", lw=1.0, color="red", alpha=0.6, label=f"alarm at {bound:g}")
     if log and _wants_log(y):
         ax.set_yscale("log")
     ax.set_title(series.key, fontsize=10)
@@ -281,8 +288,11 @@ def _draw_series(ax, series: Series, *, smooth: bool, log: bool, y_label: str) -
         ax.legend(fontsize=7, loc="best")
 
 
-def _panel_figure(series: list[Series], path: Path, title: str, *, smooth: bool, log: bool, unit: str) -> Path:
-    """One panel per series, three to a row; the y label is ``unit``, or the metric's own name without one."""
+def _panel_figure(
+    series: list[Series], path: Path, title: str, *, smooth: bool, log: bool, unit: str, limits: bool = False
+) -> Path:
+    """One panel per series, three to a row; the y label is ``unit``, or the metric's own name without one; with
+    ``limits`` each series' alarm thresholds as dashed lines."""
     columns = min(3, len(series))
     rows = -(-len(series) // columns)
     fig = Figure(figsize=(5.0 * columns, 3.6 * rows), dpi=_DPI, layout="constrained")
@@ -294,6 +304,7 @@ def _panel_figure(series: list[Series], path: Path, title: str, *, smooth: bool,
             smooth=smooth,
             log=log,
             y_label=unit or item.key.rsplit("/", 1)[-1],
+            limits=limits,
         )
     fig.suptitle(title)
     fig.savefig(path, format="png")
@@ -437,9 +448,10 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if breakdown is not None:
         path = out_dir / "time_breakdown.png"
         written.append(_time_breakdown_figure(*breakdown, path, f"{name}: time breakdown"))
-    if keys("health/"):
+    health = keys("health/") + [series[key] for key in EVAL_FIGURES if key.startswith("eval/") and key in series]
+    if health:
         path = out_dir / "health.png"
-        written.append(_panel_figure(keys("health/"), path, f"{name}: health", smooth=True, log=False, unit=""))
+        written.append(_panel_figure(health, path, f"{name}: health", smooth=True, log=False, unit="", limits=True))
     if written:
         logger.info("plots of %s in %s: %s", run_dir, out_dir, ", ".join(path.name for path in written))
     else:

@@ -16,8 +16,10 @@ Stages (each reuses its output when that output is complete, so an interrupted r
 4. sweep     the teacher's 28-step FD at CFG 1, 1.5, 2 and 3; the recipe distills at the best one
              (``--guidance-scale`` picks one instead).
 5. students  ``train_diffusion.py --loss-type dmd2``: student and critic start from the teacher; the teacher scores
-             with that CFG; phase 2 adds the GAN head (real digits: the train split) and the student's EMA
-             (0.99 from the first step).
+             with that CFG; phase 2 adds the GAN head (real digits: the train split), the student's EMA (0.99 from
+             the first step) and DMD's regression loss on 1,000 cached teacher noise -> sample pairs (written once
+             per CFG by ``python -m miles.rollout.regression_pairs``, ``regression-pairs-cfg<w>/``); the evaluation
+             of lowest train-time FD is exported beside the last (``--keep-best fd:min``, ``<name>-best/``).
              ``--one-step`` adds a 1-step phase-2 student, ``--phase1`` the no-GAN, no-EMA 4-step student of the
              same CFG (the gain's baseline), ``--unguided`` a phase-2 student distilled at CFG 1.
 6. eval      ``miles.eval.digits.evaluate_suite``: teacher 28 / 4 / 1 Euler steps and each student, at equal CFG,
@@ -77,10 +79,22 @@ WARMUP_PHASE2_FLAGS = [
 ]  # fmt: skip
 # The EMA at its 0.99 from the first step instead of diffusers' warm-up (which reached only 0.971 by step 300).
 NO_WARMUP_FLAGS = ["--ema-min-decay", "0.99"]
-# The recipe's phase 2: the same GAN head and EMA, the EMA without its warm-up. Against the warm-up it lowered the
-# 4-step student's FD on every sample seed of both training seeds measured (1.106 vs 1.317, 1.145 vs 1.291:
-# docs/digits.md, runs 10 and 11).
-PHASE2_FLAGS = [*WARMUP_PHASE2_FLAGS, *NO_WARMUP_FLAGS]
+# The recipe's phase 2 until DMD's regression joined it: the same GAN head and EMA, the EMA without its warm-up.
+# Against the warm-up it lowered the 4-step student's FD on every sample seed of both training seeds measured (1.106
+# vs 1.317, 1.145 vs 1.291: docs/digits.md, runs 10 and 11). Now --ablation no-regression.
+NO_REGRESSION_PHASE2_FLAGS = [*WARMUP_PHASE2_FLAGS, *NO_WARMUP_FLAGS]
+# DMD's regression loss (the first DMD paper, docs/dmd2.md): w = 0.25 (DMD's lambda_reg) of the L2 between the
+# student's one-step output from a cached noise and the teacher's 28-step Euler sample from it, on REGRESSION_PAIRS
+# pairs the recipe writes once from its teacher (a stage of its own). It pulls the student, less precise and more
+# diverse than its teacher (precision 0.69 vs 0.81, recall 0.85 vs 0.71), toward the teacher's own mapping of noise
+# to digit.
+REGRESSION_FLAGS = ["--dmd2-regression-weight", "0.25"]
+# The recipe's phase 2: the GAN head, the EMA without warm-up and the regression term. Against the same without the
+# term it lowered the 4-step student's FD on every sample seed of both training seeds measured (1.020 vs 1.107,
+# 1.045 vs 1.146: docs/digits.md, runs 17 and 18).
+PHASE2_FLAGS = [*NO_REGRESSION_PHASE2_FLAGS, *REGRESSION_FLAGS]
+# The regression's cached teacher pairs: prompts.jsonl's 1,000 records once each (100 per digit).
+REGRESSION_PAIRS = 1000
 
 
 # Students beside the recipe's, for docs/digits.md's phase-2 ablation and the LoRA comparison (``--ablation NAME``,
@@ -102,6 +116,8 @@ LORA_FLAGS = [*WARMUP_PHASE2_FLAGS, "--lora-rank", "16", "--lr", "1e-3", "--crit
 ABLATIONS = {
     # The recipe's phase 2 as first measured: its EMA with diffusers' warm-up.
     "warmup": WARMUP_PHASE2_FLAGS,
+    # The recipe's phase 2 before DMD's regression term joined it (runs 10 to 16).
+    "no-regression": NO_REGRESSION_PHASE2_FLAGS,
     # The EMA alone, no GAN head.
     "ema": EMA_FLAGS,
     # The EMA, and both learning rates decaying to 1e-5 (cosine) instead of staying constant.
@@ -120,12 +136,12 @@ ABLATIONS = {
     # The step grid: tianweiy/DMD2's evenly spaced 4-step timesteps (999, 749, 499, 249 there), sigma = 1, 0.75,
     # 0.5, 0.25, instead of the flow-shift-3 grid (1, 0.9, 0.75, 0.5), whose last step starts at a coarser noise.
     "ema-nowarmup-linear-grid": [*EMA_FLAGS, *NO_WARMUP_FLAGS, "--diffusion-timesteps", "1000,750,500,250"],
-    # The recipe's phase 2 with the DM gradient (and the GAN's noise) drawn at σ >= 0.2 only, the opposite of
+    # The recipe's phase 2 (before the regression term) with the DM gradient (and the GAN's noise) drawn at σ >= 0.2 only, the opposite of
     # ema-uniform-sigma: more draws below 0.2 sped the drift up, and this drops the shift-3 grid's 7.5% there.
-    "sigma-min0.2": [*PHASE2_FLAGS, "--dmd2-min-timestep-ratio", "0.2"],
-    # The recipe's phase 2 with the student at half its learning rate (the critic's kept: 8x the student's, not 4x):
+    "sigma-min0.2": [*NO_REGRESSION_PHASE2_FLAGS, "--dmd2-min-timestep-ratio", "0.2"],
+    # The recipe's phase 2 (before the regression term) with the student at half its learning rate (the critic's kept: 8x the student's, not 4x):
     # the student widens past the teacher (precision falls all run long) while its critic lags behind it.
-    "student-lr5e-5": [*PHASE2_FLAGS, "--lr", "5e-5"],
+    "student-lr5e-5": [*NO_REGRESSION_PHASE2_FLAGS, "--lr", "5e-5"],
     "gan-late": GAN_LATE_FLAGS,
     "gan-late-mismatch": GAN_LATE_MISMATCH_FLAGS,
     "gan-late-mismatch-nowarmup": [*GAN_LATE_MISMATCH_FLAGS, *NO_WARMUP_FLAGS],
@@ -190,12 +206,27 @@ def train(name: str, out: Path, flags: list[str], save_hf: Path) -> Path:
         logger.info("[%s] reusing %s", name, save_hf)
         return run_dir
     logger.info("[%s] training -> %s", name, save_hf)
-    overwrite = ["--overwrite-save-hf"] if save_hf.exists() else []
+    # An interrupted stage's export, or --keep-best's (<save_hf>-best), is this recipe's own: replaced on a rerun.
+    best = save_hf.with_name(f"{save_hf.name}-best")
+    overwrite = ["--overwrite-save-hf"] if save_hf.exists() or best.exists() else []
     cmd = [sys.executable, "train_diffusion.py", *flags, "--save-hf", str(save_hf), "--output-dir", str(run_dir)]
     run(cmd + overwrite)
     run([sys.executable, "-m", "miles.plot", str(run_dir)])
     mark_done(save_hf, command=shlex.join(cmd))
     return run_dir
+
+
+def regression_pairs(teacher: Path, out: Path, prompts: str, cfg: float, count: int) -> Path:
+    """The teacher's noise -> 28-step Euler sample pairs at CFG ``cfg`` (``python -m miles.rollout.regression_pairs``),
+    written once per scale and reused when complete; returns their ``pairs.jsonl``."""
+    pairs_dir = out / f"regression-pairs-cfg{cfg:g}"
+    if stage_done(pairs_dir):
+        logger.info("[regression pairs] reusing %s", pairs_dir)
+    else:
+        run([sys.executable, "-m", "miles.rollout.regression_pairs", str(teacher), prompts, str(pairs_dir),
+             "--num-pairs", str(count), "--num-steps", "28", "--guidance-scale", str(cfg)])  # fmt: skip
+        mark_done(pairs_dir)
+    return pairs_dir / "pairs.jsonl"
 
 
 def cfg_sweep(teacher: Path, out: Path, n_per_class: int) -> list[dict]:
@@ -298,6 +329,54 @@ def training_rows(run_dirs: dict[str, Path]) -> list[list[str]]:
         seconds = records[-1]["time"] - records[0]["time"]
         rows.append([name, trend, "–" if auc is None else f"{auc:.2f}", "–" if margin is None else f"{margin:+.2f}",
                      f"{state / 2**20:.1f} MiB", f"{seconds:.0f} s"])  # fmt: skip
+    return rows
+
+
+def kept_and_alarms(run_dir: Path) -> dict:
+    """A student run's ``--keep-best fd:min`` choice and its collapse alarms, from its ``metrics.jsonl``.
+
+    Returns:
+        ``{"best": {"rollout_id", "fd"} or None, "alarms": {figure: [rollout ids]}}``: the last new best the
+        driver logged (``best/fd``), and for each health figure (``miles.utils.health.THRESHOLDS``) the rollouts
+        whose record read it outside its healthy range (the per-rollout ones every rollout, the evaluations'
+        at each evaluation).
+    """
+    from miles.utils.health import THRESHOLDS, alarms
+    from miles.utils.tracking import read_metrics
+
+    best, crossed = None, {}
+    for record in read_metrics(run_dir):
+        if "best/rollout_id" in record:
+            best = {"rollout_id": record["best/rollout_id"], "fd": record.get("best/fd")}
+        # Only the alarmed figures; a non-finite one is written as the string "nan" / "inf" (miles.utils.tracking).
+        figures = {key: float(value) for key, value in record.items() if key in THRESHOLDS}
+        for alarm in alarms(figures):
+            rollouts = crossed.setdefault(alarm.split("=")[0], [])
+            if record["rollout_id"] not in rollouts:
+                rollouts.append(record["rollout_id"])
+    return {"best": best, "alarms": crossed}
+
+
+def _rollouts(ids: list[int]) -> str:
+    """``after rollout 3``, ``after rollouts 1, 2``, ``after 40 rollouts (12, 13, 14, 15, …)``."""
+    if len(ids) > 4:
+        return f"after {len(ids)} rollouts ({', '.join(map(str, ids[:4]))}, …)"
+    return f"after rollout{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def best_rows(out: Path, run_dirs: dict[str, Path]) -> list[list[str]]:
+    """Per student run: the train-time evaluation ``--keep-best fd:min`` kept (its FD, rollout and export) and the
+    collapse alarms it raised (:func:`kept_and_alarms`)."""
+    rows = []
+    for name, run_dir in run_dirs.items():
+        if name == "teacher" or not (run_dir / "metrics.jsonl").is_file():
+            continue
+        info = kept_and_alarms(run_dir)
+        best = info["best"]
+        export = out / f"{name}-best"
+        kept = "–" if best is None else f"{best['fd']:.3f} after rollout {best['rollout_id']}"
+        raised = "; ".join(f"{figure} {_rollouts(rollouts)}" for figure, rollouts in info["alarms"].items())
+        rows.append([name, kept, f"`{export.name}/`" if export.is_dir() else "–", raised or "none"])
     return rows
 
 
@@ -539,6 +618,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.smoke:
                 # The discriminator's quality on the held-out reals at every evaluation (eval/disc_*).
                 variant += ["--dmd2-gan-eval-real-data", str(data["heldout"])]
+        if "--dmd2-regression-weight" in variant:
+            count = 20 if args.smoke else REGRESSION_PAIRS
+            pairs = regression_pairs(teacher, out, str(data["prompts"]), cfg, count)
+            variant += ["--dmd2-regression-pairs", str(pairs)]
         flags = [
             *STUDENT_FLAGS, *variant, *common, *student_seeds,
             "--hf-checkpoint", str(teacher), "--teacher-load", str(teacher),
@@ -547,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             # Six evaluations of the same 500 fixed-noise samples: the trend of a run, not the noise of 100 samples.
             "--eval-interval", str(max(1, args.student_rollouts // 6)), *eval_flags, str(data["eval_prompts"]),
             "--eval-n-samples-per-prompt", str(args.train_eval_samples),
+            # The evaluation with the lowest train-time FD, exported beside the last (<name>-best/).
+            "--keep-best", "fd:min",
         ]  # fmt: skip
         run_dirs[name] = train(name, out, flags, out / name)
         students[(steps, cfg, phase)] = (name, out / name)
@@ -578,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
         header = ["student", "train-time FD at each evaluation", "disc. prompt AUC", "D(real) − D(fake)",
                   "state per rank", "training time"]  # fmt: skip
         sections.append("### Students' training\n\n" + markdown_table(header, training))
+    kept = best_rows(out, run_dirs)
+    if kept:
+        header = ["student", "best train-time FD (--keep-best fd:min)", "exported to", "collapse alarms"]
+        sections.append("### Best rollout and collapse alarms\n\n" + markdown_table(header, kept))
     plots = [f"- {name}: " + ", ".join(f"[{png.name}]({png.relative_to(out)})" for png in sorted((run_dir / "plots").glob("*.png")))
              for name, run_dir in run_dirs.items() if (run_dir / "plots").is_dir()]  # fmt: skip
     if plots:
@@ -585,7 +674,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = "\n\n".join(sections)
     (out / f"summary{tag}.md").write_text(f"# Digits DMD2 recipe\n\n{summary}\n")
     (out / f"summary{tag}.json").write_text(
-        json.dumps({"sweep": sweep, "rows": all_results}, indent=2, default=str) + "\n"
+        json.dumps(
+            {
+                "sweep": sweep,
+                "rows": all_results,
+                # Per student: the evaluation --keep-best kept and the collapse alarms its run raised.
+                "training": {
+                    name: kept_and_alarms(run_dir) for name, run_dir in run_dirs.items() if name != "teacher"
+                },
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
     )
     logger.info("finished in %.0fs; tables in %s and grids under %s", time.perf_counter() - start,
                 out / f"summary{tag}.md", out / f"eval-cfg*{grid_tag}")  # fmt: skip

@@ -364,6 +364,15 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="With --save-keep-last: also keep every checkpoint whose rollout number is a multiple of K.",
     )
+    group.add_argument(
+        "--keep-best",
+        type=str,
+        default=None,
+        metavar="METRIC:min|max",
+        help="Keep the rollout whose evaluation scored best on eval/METRIC (min: lowest, e.g. fd:min; max: highest, "
+        "e.g. accuracy:max; no default direction): its checkpoint spared by pruning (--save) and its student "
+        "exported to <--save-hf>-best (--save-hf). Needs --eval-interval.",
+    )
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,9 @@ The student samples the eval prompts (``--eval-prompt-data``, default ``--prompt
 fixed noise, so every evaluation of a run is comparable; the samples are split over the actor ranks (or the engine
 replicas). ``--eval-function-path`` scores them; the figures are logged as ``eval/<name>`` and the PNG grid
 ``<output-dir>/eval/rollout_<id>.png`` (at most :data:`GRID_MAX_IMAGES` images, each at most
-:data:`GRID_MAX_SIDE` pixels a side) as wandb media.
+:data:`GRID_MAX_SIDE` pixels a side) as wandb media. Every evaluation also logs the collapse alarms' figures of the
+decoded samples, ``health/eval_diversity`` (the spread across the seeds of each prompt) and
+``health/eval_saturated_frac`` (:func:`miles.utils.health.eval_health_figures`).
 """
 
 import logging
@@ -20,6 +22,7 @@ import numpy as np
 from miles.config import hook_name
 from miles.rollout.data_source import make_prompt_shard, read_jsonl_records
 from miles.rollout.engine import data_base_dir
+from miles.utils.health import eval_health_figures
 from miles.utils.types import PromptShard
 
 __all__ = [
@@ -177,7 +180,8 @@ def maybe_evaluate(
             None for none.
 
     Returns:
-        The logged metrics (``{}`` when this rollout does not evaluate).
+        The logged metrics (``{}`` when this rollout does not evaluate): the hook's and the method's ``eval/*``
+        figures and ``health/eval_*``.
 
     Raises:
         EvalHookError: when ``--eval-function-path`` raises or returns something other than a dict of numbers (the
@@ -196,6 +200,8 @@ def maybe_evaluate(
         metrics = {
             f"eval/{key}": value for key, value in _run_hook(eval_hook, args, images, records, rollout_id).items()
         }
+    # The decoded samples' own collapse figures, whatever the hook measures (one prompt's images are its seeds).
+    metrics.update(eval_health_figures(images, [str(record[args.input_key]) for record in records]))
     if not grid.exists():
         # The hook may draw its own grid there (the digits hook labels one row per digit); else tile the images.
         save_image_grid(_grid_images(images), grid, per_row=10)

@@ -28,7 +28,9 @@ Estimated, per phase:
   the root's own parameters and two blocks at a time (the one running and the one prefetched), with one block's
   unsharded gradients. At one rank nothing is sharded, but autocast keeps a compute-dtype copy of the float32
   trainables for the backward (``T·c``).
-* **activations**: :func:`miles.models.memory.activation_estimate` at the group's samples per forward.
+* **activations**: :func:`miles.models.memory.activation_estimate` of the family's activation layout per token and
+  block (:class:`~miles.models.capabilities.MemoryLayout`, which also gives the tokens per sample) at the group's
+  samples per forward. The planner knows no family: one that declares ``MemoryLayout`` gets a plan.
 
 The peak of a group is its largest phase: the train window (everything above plus the gradients, the gathered
 train state and the activations) or an inference phase. Groups share each GPU one at a time (the others sleep in
@@ -62,12 +64,13 @@ import logging
 import math
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from miles.models.capabilities import MemoryLayout
 from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, adapter_parameters, add_lora_adapter
 from miles.models.memory import (
     ActivationEstimate,
@@ -148,8 +151,9 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class PlanSetting:
-    """What every group of a run shares: DP size, compute dtype, tokens per sample, the memory knobs, the trainer
-    ranks per node and whether the run resumes (``--load``: the optimizer state then loads at start-up)."""
+    """What every group of a run shares: DP size, compute dtype, the model family (its activation layout) and its
+    tokens per sample, the memory knobs, the trainer ranks per node and whether the run resumes (``--load``: the
+    optimizer state then loads at start-up)."""
 
     dp_size: int
     compute_dtype: torch.dtype
@@ -160,6 +164,7 @@ class PlanSetting:
     rank: int = 0
     ranks_per_node: int = 1
     resume: bool = False
+    family: MemoryLayout = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -259,8 +264,7 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     """The bytes DP rank ``setting.rank`` of group ``spec`` holds, from its configs on the meta device.
 
     Raises:
-        ValueError: for a config diffusers cannot build, a LoRA target list that matches nothing, or a denoiser
-            class without an activation layout (:func:`miles.models.memory.activation_estimate`).
+        ValueError: for a config diffusers cannot build, or a LoRA target list that matches nothing.
     """
     dp, rank = setting.dp_size, setting.rank
     model = meta_denoiser(spec.config)
@@ -304,7 +308,7 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     startup = params + frozen_bytes + ema + buffers + (optimizer if setting.resume else 0)
     startup += host_built  # held twice for a moment: buffers across to_empty, adapters and built modules unsharded
     activations = activation_estimate(
-        full_config(model),
+        setting.family.activation_layout(full_config(model)),
         setting.image_tokens,
         setting.text_tokens,
         spec.batch,
@@ -363,28 +367,25 @@ def plan_run(
     from miles.backends.fsdp_utils.model import resolve_dtype
     from miles.driver.validators import group_layout
     from miles.methods import get_method
-    from miles.models import get_model_family
+    from miles.models import get_model_family, require
     from miles.models.base import DENOISER
     from miles.models.memory import transformer_config
     from miles.utils.validation import dp_size
 
     method = get_method(args)
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-    student = transformer_config(args.hf_checkpoint)
-    # The patch covers the last axes: (H, W) for an image DiT, (F, H, W) for Wan's (1, 2, 2); channels come first.
-    latent = family.latent_shape(args.hf_checkpoint)
-    patch = student.get("patch_size", 1)
-    patch = [int(p) for p in patch] if isinstance(patch, (list, tuple)) else [int(patch)] * 2
-    image_tokens = math.prod(size // p for size, p in zip(latent[-len(patch) :], patch))
+    require(family, MemoryLayout, "the memory plan")
+    image_tokens, text_tokens = family.tokens_per_sample(args.hf_checkpoint)
     setting = PlanSetting(
         dp_size=dp_size(args),
         compute_dtype=resolve_dtype(args.train_dtype),
         image_tokens=image_tokens,
-        text_tokens=family.text_tokens(args.hf_checkpoint),
+        text_tokens=text_tokens,
         gradient_checkpointing=args.gradient_checkpointing,
         reshard_every_microbatch=args.fsdp_reshard_every_microbatch,
         ranks_per_node=args.actor_num_gpus_per_node,
         resume=bool(args.load),
+        family=family,
     )
     plans = []
     for group in group_layout(args) if groups is None else groups:
@@ -511,7 +512,7 @@ def log_memory_plan(args, groups: list | None = None) -> None:
     """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
     try:
         setting, plans = plan_run(args, groups=groups)
-    # A family without text_tokens or a config the planner has no layout for must not fail the dry run's checks.
+    # A family without a memory layout, or a config it cannot lay out, must not fail the dry run's checks.
     except (AttributeError, NotImplementedError, OSError, KeyError, ValueError) as exc:
         logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
         return

@@ -166,8 +166,9 @@ def groups_table(args, groups: list[GroupSpec] | None = None) -> list[str]:
 
 
 def log_eval_plan(args) -> None:
-    """One line on the evaluation: how many prompts and images, from which file; a warning when the eval set is
-    the training prompts or large enough that gathering and tiling its images in the driver costs memory."""
+    """One line on the evaluation: how many prompts and images, from which file, and where ``--keep-best`` keeps
+    the best rollout; a warning when the eval set is the training prompts or large enough that gathering and tiling
+    its images in the driver costs memory."""
     from miles.driver.evaluation import eval_prompt_indices, load_eval_records
 
     if not args.eval_interval:
@@ -193,6 +194,15 @@ def log_eval_plan(args) -> None:
         args.eval_n_samples_per_prompt,
         len(records),
     )
+    if getattr(args, "keep_best", None):
+        from miles.driver.keep_best import best_export_dir, parse_keep_best
+
+        metric, mode = parse_keep_best(args.keep_best)
+        kept = ([f"its checkpoint spared in {args.save}"] if args.save else []) + (
+            [f"its student exported to {best_export_dir(args.save_hf)}"] if args.save_hf else []
+        )
+        logger.info("keep best: the rollout of the %s %s, %s", "lowest" if mode == "min" else "highest", metric,
+                    " and ".join(kept))  # fmt: skip
     if not args.eval_prompt_data:
         logger.warning("eval: no --eval-prompt-data, so the eval prompts are training prompts (--prompt-data)")
     if len(records) > LARGE_EVAL_IMAGES:

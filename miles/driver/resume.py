@@ -1,14 +1,15 @@
 """What a resume continues: the run record kept with each checkpoint, and what the driver checks and says with it.
 
 Every save commits, beside the groups' checkpoints, ``<save>/rollout_<id>/run.json``: the method (``--loss-type``),
-the flags a resume may change (the optimizers' and schedules' settings) and the wandb run id. A resume (``--load``)
-reads the record of the committed rollout and
+the flags a resume may change (the optimizers' and schedules' settings), the wandb run id and, with ``--keep-best``,
+the best evaluation so far. A resume (``--load``) reads the record of the committed rollout and
 
 - refuses another method's checkpoint before Ray starts (an ``sft_loss`` run would otherwise load a DMD2 student,
   its optimizer and a data cursor of another file, without a word);
 - lists, on one line, the settings this command changes; the trainer applies them after loading
   (``miles.backends.fsdp_utils.optimizer.apply_optimizer_spec``);
-- continues the same wandb run (its id is in the record).
+- continues the same wandb run (its id is in the record);
+- continues ``--keep-best`` from the best value the record names (:mod:`miles.driver.keep_best`).
 
 Checkpoints written before the record existed resume as before (nothing to compare), except that a command is
 refused when a sibling ``<load>_<suffix>`` holds the committed rollout of a group this command does not have (a
@@ -57,17 +58,23 @@ def resumable_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_record(args: argparse.Namespace, rollout_id: int, wandb_run_id: str | None) -> dict[str, Any]:
+def run_record(
+    args: argparse.Namespace, rollout_id: int, wandb_run_id: str | None, best: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The record a save of ``rollout_id`` commits: ``{"format", "rollout_id", "method", "settings": {dest: value},
-    "wandb_run_id"}`` (``method``: the ``--loss-type``)."""
+    "wandb_run_id"}`` (``method``: the ``--loss-type``), and with ``--keep-best`` ``"keep_best"``: the best
+    evaluation so far (:meth:`miles.driver.keep_best.KeepBest.state`)."""
     settings = resumable_settings(args)
-    return {
+    record = {
         "format": FORMAT,
         "rollout_id": rollout_id,
         "method": get_method(args).name,
         "settings": settings,
         "wandb_run_id": wandb_run_id,
     }
+    if best is not None:
+        record["keep_best"] = best
+    return record
 
 
 def _record_path(directory: str | os.PathLike, rollout_id: int) -> Path:

@@ -171,16 +171,23 @@ def remove_checkpoints(group_dirs: list[str | Path]) -> list[Path]:
     return removed
 
 
-def prune(group_dirs: list[str | Path], committed: int, keep_last: int | None, keep_every: int | None) -> list[Path]:
+def prune(
+    group_dirs: list[str | Path],
+    committed: int,
+    keep_last: int | None,
+    keep_every: int | None,
+    keep: tuple[int, ...] = (),
+) -> list[Path]:
     """After a commit: remove older complete rollouts beyond the ``keep_last`` newest, sparing every rollout whose
-    id + 1 is a multiple of ``keep_every``. The committed rollout is always kept. Returns the removed paths."""
+    id + 1 is a multiple of ``keep_every`` and the rollouts in ``keep`` (``--keep-best``'s). The committed rollout is
+    always kept. Returns the removed paths."""
     if not keep_last:
         return []
     removed = []
     for directory in map(Path, group_dirs):
         ids = [rollout for rollout in complete_rollouts(directory) if rollout <= committed]
         for rollout in ids[:-keep_last]:
-            if keep_every and (rollout + 1) % keep_every == 0:
+            if keep_every and (rollout + 1) % keep_every == 0 or rollout in keep:
                 continue
             path = checkpoint_dir(directory, rollout)
             shutil.rmtree(path)

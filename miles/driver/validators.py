@@ -24,6 +24,7 @@ __all__ = [
     "run_paths",
     "validate_args",
     "validate_batch_args",
+    "validate_keep_best",
     "validate_lora_args",
     "validate_method_flags",
     "validate_number_args",
@@ -151,9 +152,36 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.save_hf:
         # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
         check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
+    validate_keep_best(args)
     validate_number_args(args)
     validate_lora_args(args)
     get_method(args).validate(args)
+
+
+def validate_keep_best(args: argparse.Namespace) -> None:
+    """``--keep-best METRIC:min|max`` names a direction, evaluations to pick from and somewhere to keep the rollout;
+    its export ``<--save-hf>-best`` follows ``--save-hf``'s rules, except that a resume may replace the best export
+    of the same figure it continues from."""
+    from miles.driver.keep_best import best_export_dir, parse_keep_best, read_best_export
+
+    if args.keep_best is None:
+        return
+    metric, mode = parse_keep_best(args.keep_best)
+    if not args.eval_interval:
+        reject(f"--keep-best {args.keep_best} picks a rollout by its evaluations: set --eval-interval, or remove it")
+    if not (args.save or args.save_hf):
+        reject(
+            f"--keep-best {args.keep_best} keeps the best rollout in --save (its checkpoint) or --save-hf (exported "
+            "to <save-hf>-best): set one of them"
+        )
+    if args.save_hf:
+        earlier = read_best_export(args.save_hf) if args.load else None
+        resumed = earlier is not None and (earlier.get("metric"), earlier.get("mode")) == (metric, mode)
+        best = best_export_dir(args.save_hf)
+        paths = [*run_paths(args), ("--save-hf", args.save_hf)]
+        check_export_target(
+            best, args.hf_checkpoint, args.overwrite_save_hf or resumed, paths, name="--keep-best's export"
+        )
 
 
 def validate_lora_args(args: argparse.Namespace) -> None:

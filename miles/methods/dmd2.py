@@ -28,6 +28,10 @@ gen 1e-3 (SD1.5) to 5e-3 (SDXL).
 Reward (``--dmd2-reward-weight > 0``, DMDR, :mod:`miles.methods.dmd2_reward`): a frozen third group between the
 critic and the actor ships each sample's ``∂reward/∂x̂0``, which the student subtracts, weighted, from its gradient.
 
+Regression (``--dmd2-regression-weight > 0``, the first DMD paper's, :mod:`miles.methods.dmd2_regression`): each
+sample brings a cached teacher pair (noise → ODE sample) as a side input, and the student's loss adds the distance of
+its one-step output from that noise to the teacher's sample.
+
 LoRA (``--lora-rank`` for the student, ``--critic-lora-rank`` for the critic, the latter defaulting to the former):
 a critic LoRA sits on the teacher's own weights, so the critic group holds one base and the teacher is that base with
 the adapters disabled (:mod:`miles.models.lora`). Teacher adapters and a reference model are not implemented, so
@@ -47,6 +51,7 @@ from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Setting
 from miles.config import CheckpointSpec, GroupHooks, GroupSpec, UserHooks
 from miles.methods.base import Method, PhaseWork, optimizer_spec, register_method, schedule_spec, student_group
 from miles.methods.dmd2_debug import debug_records, dmd2_debug_grid
+from miles.methods.dmd2_regression import REGRESSION_ACTOR_HOOKS, regression_side_inputs, validate_regression_args
 from miles.methods.dmd2_reward import check_reward_family, reward_group, reward_work, validate_reward_args
 from miles.models.capabilities import EmbeddedGuidance, TrueCFG, supports
 from miles.models.lora import LoraFlags, check_lora_flags
@@ -256,6 +261,7 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
                 )
     check_lora_flags("--critic-", _critic_lora(s), s.critic_load, teacher=args.teacher_load)
     validate_reward_args(s)
+    validate_regression_args(args, s)
 
 
 def _critic_lora(s: DMD2Settings) -> LoraFlags:
@@ -319,7 +325,8 @@ class DMD2Method(Method):
         validate_dmd2_args(args)
 
     def default_hooks(self, args: argparse.Namespace) -> GroupHooks:
-        return DMD2_ACTOR_HOOKS
+        # The regression rows ride in the student's own forward: its prepare and loss hooks in their place.
+        return REGRESSION_ACTOR_HOOKS if dmd2_settings(args).regression_enabled else DMD2_ACTOR_HOOKS
 
     def converter(self, args: argparse.Namespace) -> Callable:
         return dmd2_conversion.expand_samples_to_train_pairs
@@ -372,7 +379,7 @@ class DMD2Method(Method):
         train-output hooks are DMD2's (the GAN's under phase 2), the user's train-input hook and trainer class
         apply to it as to the actor."""
         s = dmd2_settings(args)
-        student = student_group(args, hooks.group.over(DMD2_ACTOR_HOOKS))
+        student = student_group(args, hooks.group.over(self.default_hooks(args)))
         k = s.critic_steps_per_rollout
         critic_hooks = dataclasses.replace(
             DMD2_CRITIC_HOOKS,
@@ -407,11 +414,11 @@ class DMD2Method(Method):
         return DMD2Settings.from_args(args)
 
     def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
-        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``)."""
+        """Phase 2: ``--dmd2-gan-real-data``, one real sample per generated one (``pair.extras["real"]``); with
+        ``--dmd2-regression-weight``: one cached teacher pair per generated sample (``pair.extras["regression"]``)."""
         s = dmd2_settings(args)
-        if not s.gan_enabled:
-            return []
-        return [SideInput(REAL_DATA, s.gan_real_data, "--dmd2-gan-real-data")]
+        real = [SideInput(REAL_DATA, s.gan_real_data, "--dmd2-gan-real-data")] if s.gan_enabled else []
+        return real + regression_side_inputs(s)
 
     def eval_data(self, args: argparse.Namespace) -> list[SideInput]:
         """Phase 2: ``--dmd2-gan-eval-real-data``, the held-out reals of the discriminator's figures."""
@@ -447,7 +454,9 @@ class DMD2Method(Method):
     def train_forward_batch(self, args: argparse.Namespace, group: GroupSpec) -> int:
         """The GAN critic's forward carries its flow-matching rows, the noised fakes and the reals: 3 per pair,
         plus one for the mismatched-prompt reals (``--dmd2-gan-mismatch-weight``) and one for the perturbed reals
-        (``--dmd2-gan-r1-weight``)."""
+        (``--dmd2-gan-r1-weight``); the student's with ``--dmd2-regression-weight`` 2 per pair."""
+        if group.hooks.prepare is REGRESSION_ACTOR_HOOKS.prepare:
+            return 2 * group.micro_batch_size  # the student's rows and as many regression rows
         if group.hooks.prepare is not DMD2_GAN_CRITIC_HOOKS.prepare:
             return group.micro_batch_size
         s = dmd2_settings(args)

@@ -5,9 +5,10 @@ on the meta device and names its weight files, for the trainers' sharded start-u
 prompts into the denoiser's cond kwargs, runs one forward, names the blocks FSDP shards one by one and says which
 config figures a teacher or critic must share with the student. What a family can do beyond that
 is declared by subclassing the capability protocols of :mod:`miles.models.capabilities` (its guidance form, a
-pixel codec, a feature tap for the DMD2 GAN head). A new family (FLUX, Wan, ...) subclasses these protocols and
-registers itself (:mod:`miles.models.registry`); nothing else in miles knows which denoiser class or cond keys a
-family uses.
+pixel codec, a feature tap for the DMD2 GAN head, a memory layout for the planner). A family over a stock diffusers
+pipeline subclasses :class:`~miles.models.diffusers_family.DiffusersFamily`, which implements all of this once, and
+declares only what differs; any family registers itself (:mod:`miles.models.registry`) or is named by its dotted
+path. Nothing else in miles knows which denoiser class or cond keys a family uses.
 
 Latents have any rank: one sample is ``(C, H, W)`` for an image family and ``(C, F, H, W)`` for a video family
 (F frames); a batch adds a leading B. The engine, the trainers and the hooks only ever use the leading batch dim.
@@ -16,13 +17,21 @@ Velocity convention (diffusers SD3, torchtitan Flux): ``x_σ = (1 − σ)·x0 + 
 velocity ``v = ε − x0`` at ``timestep = σ · num_train_timesteps`` (σ ∈ [0, 1], timestep ∈ [0, 1000]).
 """
 
-import json
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from miles.models.pipeline_files import (
+    DENOISER,
+    denoiser_weight_index,
+    is_component,
+    read_json,
+    read_model_index,
+    read_scheduler_config,
+)
 
 __all__ = [
     "DENOISER",
@@ -37,23 +46,20 @@ __all__ = [
     "text_encoder_modules",
 ]
 
-# The denoiser's component name: its folder in a diffusers pipeline directory, its key among a trainer group's
-# trainable modules (TrainContext.models, PreparedBatch.component, checkpoints) and among the frozen teacher's.
-DENOISER = "transformer"
 # A diffusers pipeline's text encoders, by component name (SD3 holds three, FLUX.1 two, the others one).
 TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class PromptEncoder(Protocol):
-    """A loaded text encoder. ``encode`` is deterministic (eval mode, no dropout).
+    """A loaded text encoder: what a family's ``load_text_encoder`` returns and its ``encode_prompts`` reads (a stock
+    pipeline's text half, :class:`~miles.models.diffusers_family.PipelinePromptEncoder`; digits' MiniLM; any object
+    of a family of your own). It encodes deterministically (eval mode, no dropout).
 
     An encoder whose models sit on a training device lists them as ``text_modules`` (``list[nn.Module]``): they sleep
     with the trainer group that encodes (:func:`text_encoder_modules`). An encoder without it holds nothing to move.
     """
 
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(hidden, pooled)``: float32 ``(B, L, D)`` token states and float32 ``(B, P)`` pooled states."""
-        ...
+    text_modules: list[nn.Module]
 
 
 @runtime_checkable
@@ -199,12 +205,8 @@ class ModelFamily(Protocol):
     def text_encoder_dirs(self, path: str | Path) -> list[Path]:
         """The folders of the weights :meth:`load_text_encoder` loads (the memory planner counts their safetensors).
         Default: the pipeline's components of :data:`TEXT_ENCODER_COMPONENTS` that ``model_index.json`` lists."""
-        index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
-        return [
-            Path(path) / name
-            for name in TEXT_ENCODER_COMPONENTS
-            if isinstance(index.get(name), list) and index[name][0] is not None
-        ]
+        index = read_model_index(path)
+        return [Path(path) / name for name in TEXT_ENCODER_COMPONENTS if is_component(index.get(name))]
 
     @abstractmethod
     def encode_prompts(self, encoder: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -214,15 +216,6 @@ class ModelFamily(Protocol):
     @abstractmethod
     def latent_shape(self, path: str | Path) -> tuple[int, ...]:
         """One sample's latent shape: ``(C, H, W)`` for an image family, ``(C, F, H, W)`` for a video family."""
-
-    def text_tokens(self, path: str | Path) -> int:
-        """Text tokens per prompt in the denoiser's cond (the memory planner's sequence length).
-
-        Raises:
-            NotImplementedError: for a family that does not say; ``--dry-run`` then skips its memory plan with one
-                warning.
-        """
-        raise NotImplementedError(f"the {self.name} family does not say how many text tokens a prompt takes")
 
     @abstractmethod
     def predict_velocity(
@@ -280,7 +273,7 @@ class ModelFamily(Protocol):
 
         Args:
             schedule: ``{"num_steps", "shift", "step_rule", "num_train_timesteps", "timesteps"}``, the keywords of
-                :func:`miles.models.sampling_schedule.stock_scheduler_config`.
+                :func:`miles.models.stock_schedulers.stock_scheduler_config`.
 
         Default: that function's config, which ``StableDiffusion3Pipeline`` (it calls ``set_timesteps(S, mu=...)``)
         samples on the student's grid.
@@ -288,7 +281,7 @@ class ModelFamily(Protocol):
         Raises:
             ValueError: on an unknown step rule or a grid miles' sampler rejects.
         """
-        from miles.models.sampling_schedule import stock_scheduler_config
+        from miles.models.stock_schedulers import stock_scheduler_config
 
         return stock_scheduler_config(**schedule)
 
@@ -339,48 +332,3 @@ def encode_one_prompt(family: ModelFamily, encoder: PromptEncoder, prompt: str) 
     """One prompt's cond kwargs without a batch dim (the negative prompt of CFG, usually ``""``), float32 on CPU."""
     # clone: a view would carry (and pickle) the whole batch storage
     return {key: value[0].clone() for key, value in family.encode_prompts(encoder, [prompt]).items()}
-
-
-def denoiser_weight_index(files: list[Path]) -> dict[str, Path]:
-    """``{tensor name: file}`` of safetensors ``files``, read from their headers only (no tensor data).
-
-    Raises:
-        ValueError: if two files hold a tensor of the same name.
-    """
-    from safetensors import safe_open
-
-    index: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if key in index:
-                    raise ValueError(f"tensor {key!r} is in both {index[key]} and {file}")
-                index[key] = Path(file)
-    return index
-
-
-def read_json(path: str | Path, what: str) -> dict:
-    """Read a JSON file of a pipeline directory; the error names the file and what it should hold.
-
-    Raises:
-        FileNotFoundError: if the file is missing.
-        ValueError: if it is not valid JSON.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path} (is the pipeline directory complete?)")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{what} {path} is not valid JSON ({exc}); is the file truncated?") from exc
-
-
-def read_scheduler_config(path: str | Path) -> dict:
-    """``{"shift": float, "num_train_timesteps": int}`` of ``<path>/scheduler/scheduler_config.json``; any
-    flow-matching scheduler config of diffusers holds both."""
-    config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
-    return {
-        "shift": float(config.get("shift", 1.0)),
-        "num_train_timesteps": int(config.get("num_train_timesteps", 1000)),
-    }

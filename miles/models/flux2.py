@@ -27,30 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from miles.models.base import DENOISER, ModelFamily, place_text_encoders, read_json
-from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG, module_on
-from miles.models.precision import forward_device_dtype
+from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
+from miles.models.diffusers_family import DiffusersFamily, PipelinePromptEncoder
+from miles.models.memory import ActivationLayout, joint_layout
+from miles.models.pipeline_files import read_json, read_model_index
 from miles.models.registry import register_family
-from miles.models.sampling_schedule import sigmas_call_scheduler_config
 from miles.models.stock_defaults import read_sample_size
+from miles.models.stock_schedulers import sigmas_call_scheduler_config
 
-__all__ = ["Flux2Family", "Flux2PromptEncoder", "patchify", "unpatchify"]
+__all__ = ["Flux2Family", "patchify", "unpatchify"]
 
-# Flux2KleinPipeline's max_sequence_length (the prompt is padded to it), default step count and default
-# guidance_scale (diffusers 0.42.1; the klein-base model card's 4.0)
-TEXT_TOKENS = 512
+# Flux2KleinPipeline's default step count (diffusers 0.42.1); its max_sequence_length is DiffusersFamily's 512
 STOCK_NUM_STEPS = 50
-STOCK_GUIDANCE_SCALE = 4.0
 # Flux2KleinPipeline.default_sample_size (latent pixels): 128 · vae_scale_factor 8 = 1024 pixels
 DEFAULT_SAMPLE_SIZE = 128
-# transformer config keys a teacher and a critic must share with the student
-COMPATIBLE_KEYS = {
-    "in_channels": "patched latent channels",
-    "out_channels": "output channels",
-    "joint_attention_dim": "text-encoder width",
-}
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -73,83 +65,35 @@ def _grid_ids(frames: int, height: int, width: int, length: int) -> torch.Tensor
     return torch.cartesian_prod(*axes)
 
 
-class Flux2PromptEncoder:
-    """The text half of a ``Flux2KleinPipeline`` (Qwen3 and its tokenizer), run through the pipeline's own
-    ``encode_prompt``; the pipeline object holds a weightless (meta-device) transformer and no VAE.
-
-    Args:
-        path: the pipeline directory.
-        device: where the text encoder runs.
-        dtype: the text encoder's weights.
-    """
-
-    def __init__(
-        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> None:
-        from accelerate import init_empty_weights
-        from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
-
-        with init_empty_weights():
-            meta = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(Path(path) / DENOISER))
-        self.pipe = Flux2KleinPipeline.from_pretrained(path, transformer=meta, vae=None, torch_dtype=dtype)
-        self.text_modules = place_text_encoders(self.pipe, device)
-        self.device = torch.device(device)
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        """float32 ``(B, 512, 3 · text width)``: the stacked hidden states of layers (9, 18, 27)."""
-        embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, max_sequence_length=TEXT_TOKENS)
-        return embeds.float()
-
-
 @register_family
-class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
+class Flux2Family(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
     """``Flux2KleinPipeline``: ``Flux2Transformer2DModel`` (double- then single-stream blocks) over patched,
     batch-normalised ``AutoencoderKLFlux2`` latents ``(4·C, H/16, W/16)``, Qwen3 text. Cond kwargs:
     ``{"encoder_hidden_states": (B, 512, joint_attention_dim)}``."""
 
     name = "flux2"
     pipeline_classes = ("Flux2KleinPipeline",)
-    # the export gets a static scheduler that maps the pipeline's own linspace(1, 1/S, S) to the student's grid
-    stock_scheduler = True
-
-    def __init__(self, pipeline_path: str | Path) -> None:
-        super().__init__(pipeline_path)
-        self._vae = None
-
-    @staticmethod
-    def _config(path: str | Path) -> dict:
-        return read_json(Path(path) / DENOISER / "config.json", "transformer config")
+    # Flux2KleinPipeline.__call__'s guidance_scale default (the klein-base model card's 4.0)
+    stock_guidance = 4.0
+    timestep_divisor = 1000.0
+    block_attributes = ("transformer_blocks", "single_transformer_blocks")
+    compatible_keys = {
+        "in_channels": "patched latent channels",
+        "out_channels": "output channels",
+        "joint_attention_dim": "text-encoder width",
+    }
+    latent_shape_compatible = True
 
     def _vae_factor(self, path: str | Path) -> int:
         vae = read_json(Path(path) / "vae" / "config.json", "VAE config")
         return 2 ** (len(vae["block_out_channels"]) - 1)
 
-    def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """``<path>/transformer`` as a ``Flux2Transformer2DModel`` in eval mode on the CPU.
-
-        Raises:
-            FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
-        """
-        from diffusers import Flux2Transformer2DModel
-
-        self._config(path)
-        return Flux2Transformer2DModel.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
-
-    def load_text_encoder(
-        self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> Flux2PromptEncoder:
-        return Flux2PromptEncoder(path, device=device, dtype=dtype)
-
-    def encode_prompts(self, encoder: Flux2PromptEncoder, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """``{"encoder_hidden_states": (B, 512, D)}``, float32 on the CPU.
-
-        Raises:
-            ValueError: on an empty prompt list.
-        """
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
-        return {"encoder_hidden_states": encoder.encode(list(prompts)).detach().to("cpu", torch.float32)}
+    def prompt_cond(self, encoder: PipelinePromptEncoder, prompts: list[str]) -> dict[str, Tensor]:
+        """``{"encoder_hidden_states": (B, 512, 3 · text width)}``: the stacked hidden states of layers (9, 18, 27)."""
+        embeds, _ = encoder.pipe.encode_prompt(
+            prompt=prompts, device=encoder.device, max_sequence_length=self.max_sequence_length
+        )
+        return {"encoder_hidden_states": embeds}
 
     def image_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(H, W, 3)``: ``_miles_sample_size`` of ``model_index.json`` (:mod:`miles.models.stock_defaults`), else the
@@ -163,17 +107,7 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         """``(in_channels, H/16, W/16)`` (``in_channels`` = 4 · the VAE's latent channels)."""
         height, width, _ = self.image_shape(path)
         multiple = 2 * self._vae_factor(path)
-        return (int(self._config(path)["in_channels"]), height // multiple, width // multiple)
-
-    def text_tokens(self, path: str | Path) -> int:
-        """512: the pipeline pads every prompt to ``max_sequence_length``."""
-        return TEXT_TOKENS
-
-    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
-        """The latent shape and the transformer config keys of :data:`COMPATIBLE_KEYS`."""
-        config = self._config(path)
-        signature = {f"{what} ({key})": config.get(key) for key, what in COMPATIBLE_KEYS.items()}
-        return {**super().compatibility_signature(path), **signature}
+        return (int(self.transformer_config(path)["in_channels"]), height // multiple, width // multiple)
 
     def flow_shift(self, path: str | Path, num_steps: int | None = None) -> float:
         """``e^mu`` with ``mu = compute_empirical_mu(tokens, num_steps or 50)`` (diffusers' ``pipeline_flux2_klein``;
@@ -191,68 +125,48 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
     def max_guidance_scale(self, path: str | Path) -> float | None:
         """1 for a step-distilled checkpoint (``is_distilled`` in ``model_index.json``: the pipeline never runs CFG
         on it), else no limit."""
-        index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
-        return 1.0 if index.get("is_distilled") else None
-
-    def stock_guidance_scale(self, path: str | Path) -> float:
-        """4.0 (``Flux2KleinPipeline.__call__``'s ``guidance_scale``) for klein-base; 1 for a step-distilled
-        checkpoint, on which the pipeline never runs CFG."""
-        return STOCK_GUIDANCE_SCALE if self.max_guidance_scale(path) is None else 1.0
+        return 1.0 if read_model_index(path).get("is_distilled") else None
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static scheduler at the student's shift: ``Flux2KleinPipeline`` passes ``linspace(1, 1/S, S)`` itself
-        (:func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`)."""
+        (:func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`)."""
         return sigmas_call_scheduler_config(**schedule)
 
-    def predict_velocity(
-        self, denoiser: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """One ``Flux2Transformer2DModel`` forward on ``(B, C, h, w)`` latents at ``timestep`` ∈ [0, 1000]: tokens in
-        raster order, σ = timestep / 1000 as the pipeline passes it; returns float32 ``(B, C, h, w)``."""
-        device, dtype = forward_device_dtype(denoiser)  # latents and cond; the timestep stays float32
+    def forward_inputs(
+        self, denoiser: nn.Module, latents: Tensor, timestep: Tensor, cond: dict[str, Tensor]
+    ) -> dict[str, Any]:
+        """``Flux2KleinPipeline.__call__``'s forward: one token per latent pixel in raster order, position ids
+        ``(0, h, w, 0)`` for the image and ``(0, 0, 0, l)`` for the text, no guidance input."""
         batch, channels, height, width = latents.shape
-        tokens = latents.to(device, dtype).reshape(batch, channels, height * width).permute(0, 2, 1)
-        text = cond["encoder_hidden_states"].to(device, dtype)
-        out = denoiser(
-            hidden_states=tokens,
-            encoder_hidden_states=text,
-            timestep=timestep.to(device, torch.float32) / 1000,
-            img_ids=_grid_ids(1, height, width, 1).to(device),
-            txt_ids=_grid_ids(1, 1, 1, text.shape[1]).to(device),
-            guidance=None,
-            return_dict=False,
-        )[0]
-        return out.float().permute(0, 2, 1).reshape(batch, channels, height, width)
+        text = cond["encoder_hidden_states"].to(latents.device, latents.dtype)
+        return {
+            "hidden_states": latents.reshape(batch, channels, height * width).permute(0, 2, 1),
+            "encoder_hidden_states": text,
+            "timestep": timestep,
+            "img_ids": _grid_ids(1, height, width, 1).to(latents.device),
+            "txt_ids": _grid_ids(1, 1, 1, text.shape[1]).to(latents.device),
+            "guidance": None,
+        }
 
-    def blocks(self, denoiser: nn.Module) -> list[nn.Module]:
-        """The double-stream then the single-stream blocks (``_no_split_modules``), in forward order."""
-        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
+    def velocity_from_output(self, out: Tensor, latent_shape: tuple[int, ...]) -> Tensor:
+        """The ``(B, h·w, C)`` output tokens as latents ``(B, C, h, w)``."""
+        return out.permute(0, 2, 1).reshape(latent_shape)
 
     def image_tokens(self, block_output) -> torch.Tensor:
         """The image tokens ``(B, N, D)``: the second of a double-stream block's ``(text, image)``, the tokens after
         the 512 text tokens of a single-stream block's joint sequence."""
         if isinstance(block_output, tuple):
             return block_output[1]
-        return block_output[:, TEXT_TOKENS:]
+        return block_output[:, self.max_sequence_length :]
 
-    def token_grid(self, denoiser: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, int]:
-        """``(h, w)``: one token per latent pixel (``patch_size`` 1)."""
-        _, height, width = latent_shape
-        return height, width
+    def activation_layout(self, config: dict) -> ActivationLayout:
+        """Double-stream then single-stream blocks with QK-norm, rope and a SwiGLU MLP ``mlp_ratio`` wide, over one
+        token of ``in_channels`` values per latent pixel."""
+        return joint_layout(config, patch_inputs=int(config["in_channels"]), swiglu=True)
 
-    def token_width(self, denoiser: nn.Module) -> int:
-        """``num_attention_heads · attention_head_dim``."""
-        return int(denoiser.config.num_attention_heads) * int(denoiser.config.attention_head_dim)
-
-    @property
-    def vae(self):
-        """The pipeline's ``AutoencoderKLFlux2`` (float32, eval, CPU), loaded on first use."""
-        if self._vae is None:
-            from diffusers import AutoencoderKLFlux2
-
-            self._vae = AutoencoderKLFlux2.from_pretrained(self.pipeline_path / "vae", torch_dtype=torch.float32)
-            self._vae.eval()
-        return self._vae
+    def meta_cond(self, config: dict, text_tokens: int) -> dict[str, Tensor]:
+        with torch.device("meta"):
+            return {"encoder_hidden_states": torch.empty(1, text_tokens, int(config["joint_attention_dim"]))}
 
     def _batch_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std ``(1, 4·C, 1, 1)`` of the patched latents (the VAE's batch-norm running statistics)."""
@@ -260,27 +174,18 @@ class Flux2Family(ModelFamily, TrueCFG, PixelCodec, TokenFeatures):
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
         return bn.running_mean.view(1, -1, 1, 1), std
 
-    def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """miles' latents ``(B, 4·C, h, w)`` → the VAE's ``(B, C, 2h, 2w)`` (what the stock call returns with
-        ``output_type="latent"``)."""
-        mean, std = self._batch_norm()  # on the VAE's device
-        return unpatchify(latents.detach().float().to(mean.device) * std + mean)
-
-    @torch.no_grad()
-    def images_to_latents(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (or float 0..255) ``(B, H, W, 3)`` → float32 ``(B, 4·C, H/16, W/16)`` (posterior mode, patched,
-        normalised as ``Flux2KleinPipeline._encode_vae_image``)."""
-        images = torch.as_tensor(images)
-        if images.ndim != 4:
-            raise ValueError(f"FLUX.2 images must be (B, H, W, C), got shape {tuple(images.shape)}")
-        pixels = (images.float() / 255.0 * 2.0 - 1.0).permute(0, 3, 1, 2)
+    def normalize_latents(self, raw: Tensor) -> Tensor:
+        """The VAE's ``(B, C, h, w)`` → ``(B, 4·C, h/2, w/2)``: patched, then ``(x − mean) / std`` with the VAE's
+        batch-norm statistics (``Flux2KleinPipeline._encode_vae_image``)."""
         mean, std = self._batch_norm()
-        return ((patchify(self.vae.encode(pixels).latent_dist.mode()) - mean) / std).float()
+        return (patchify(raw) - mean) / std
 
-    @torch.no_grad()
-    def latents_to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """float ``(B, 4·C, h, w)`` → uint8 ``(B, 16h, 16w, 3)``."""
-        with module_on(self.vae, latents.device) as vae:  # decoded where the latents are (the worker's GPU)
-            pixels = vae.decode(self.to_vae_latents(latents), return_dict=False)[0]
-        pixels = ((pixels + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return pixels.to(torch.uint8).cpu().permute(0, 2, 3, 1).contiguous()
+    def denormalize_latents(self, latents: Tensor) -> Tensor:
+        """miles' ``(B, 4·C, h, w)`` → the VAE's ``(B, C, 2h, 2w)``: ``x · std + mean``, unpatched, on the VAE's
+        device (what the stock call returns with ``output_type="latent"``)."""
+        mean, std = self._batch_norm()
+        return unpatchify(latents.to(mean.device) * std + mean)
+
+    def to_vae_latents(self, latents: Tensor) -> Tensor:
+        """miles' latents ``(B, 4·C, h, w)`` → the VAE's ``(B, C, 2h, 2w)`` (:meth:`denormalize_latents`)."""
+        return self.denormalize_latents(latents.detach().float())

@@ -1,51 +1,38 @@
-"""What a diffusers denoiser costs in memory, from its config alone: parameter shapes on the meta device, FSDP2
-shard sizes per DP rank, token counts, and an activation estimate per block.
+"""What a diffusers denoiser costs, from its config alone: parameter shapes on the meta device, FSDP2 shard sizes per
+DP rank, activations per token and block, and the FLOPs of one forward.
 
 Nothing here allocates weights: models are built with ``torch.device("meta")``, so a 20B-parameter config costs a
-second and no memory. :mod:`miles.driver.memory_plan` puts these pieces together per trainer group.
+second and no memory. Nothing here knows a family: a family describes its own denoiser
+(:class:`~miles.models.capabilities.MemoryLayout`: its tokens per sample, an :class:`ActivationLayout` built from
+the block counts below, its FLOPs per sample), and :mod:`miles.driver.memory_plan` and
+:mod:`miles.driver.estimate` put the pieces together per trainer group.
 """
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from miles.models.base import read_json
-from miles.models.sd3 import CLIP_TOKENS, T5_TOKENS
+from miles.models.pipeline_files import read_json
 
 __all__ = [
     "ActivationEstimate",
-    "TEXT_TOKENS",
+    "ActivationLayout",
+    "BlockActivations",
+    "TokenElements",
     "activation_estimate",
+    "count_forward_flops",
+    "cross_attention_layout",
     "full_config",
-    "image_tokens_at",
+    "joint_layout",
     "meta_denoiser",
     "shard_numel",
     "shard_bytes",
     "transformer_config",
 ]
-
-# Text tokens per sample by denoiser class: what the family's stock pipeline feeds the transformer by default.
-TEXT_TOKENS = {
-    # StableDiffusion3Pipeline: 77 CLIP tokens + max_sequence_length=256 T5 tokens, padded to that length
-    "SD3Transformer2DModel": CLIP_TOKENS + T5_TOKENS,
-    # FluxPipeline: T5 padded to max_sequence_length=512
-    "FluxTransformer2DModel": 512,
-    # Flux2KleinPipeline: the text encoder's states padded to max_sequence_length=512
-    "Flux2Transformer2DModel": 512,
-    # QwenImagePipeline: the prompt's own length (padding to the longest), capped at max_sequence_length=512: a bound
-    "QwenImageTransformer2DModel": 512,
-}
-# Pixels per image-token side beyond the transformer's patch size: the VAE's downscale factor, times the 2×2
-# latent packing of the pipelines that pack (their transformers then have patch_size 1 or count the packing in it).
-_PIXELS_PER_TOKEN = {
-    "SD3Transformer2DModel": lambda config: 8 * int(config["patch_size"]),  # VAE 8×, patch p
-    "FluxTransformer2DModel": lambda config: 16,  # VAE 8×, 2×2 packing (FluxPipeline._pack_latents)
-    "Flux2Transformer2DModel": lambda config: 16,  # VAE 8×, 2×2 patchify (Flux2KleinPipeline._patchify_latents)
-    "QwenImageTransformer2DModel": lambda config: 16,  # VAE 8×, 2×2 packing (QwenImagePipeline._pack_latents)
-}
 
 
 def transformer_config(pipeline: str | Path) -> dict:
@@ -94,19 +81,34 @@ def shard_bytes(shapes: list[tuple[int, ...]], world: int, rank: int, itemsize: 
     return sum(shard_numel(shape, world, rank) for shape in shapes) * itemsize
 
 
-def image_tokens_at(config: dict, resolution: int) -> int:
-    """Image tokens per sample at ``resolution`` × ``resolution`` pixels for a denoiser of ``config``.
+@dataclass(frozen=True)
+class TokenElements:
+    """Elements per image token and per text token (of one sample)."""
 
-    Raises:
-        ValueError: for a class without a known pixels-per-token rule, or a resolution it does not divide.
-    """
-    rule = _PIXELS_PER_TOKEN.get(config.get("_class_name"))
-    if rule is None:
-        raise ValueError(f"no image-token rule for {config.get('_class_name')!r}; known: {sorted(_PIXELS_PER_TOKEN)}")
-    pixels = rule(config)
-    if resolution % pixels:
-        raise ValueError(f"resolution {resolution} is not a multiple of {pixels} pixels per token side")
-    return (resolution // pixels) ** 2
+    image: int
+    text: int
+
+    def per_sample(self, image_tokens: int, text_tokens: int) -> int:
+        """Elements of one sample of ``image_tokens`` + ``text_tokens`` tokens."""
+        return self.image * image_tokens + self.text * text_tokens
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """One block's activations per token: ``kept``, what autograd keeps for its backward; ``inputs``, its inputs (all
+    that gradient checkpointing keeps of it)."""
+
+    kept: TokenElements
+    inputs: TokenElements
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """A denoiser's activation elements per token: every block (forward order) and ``outside``, what the embedders
+    and the output layer keep (kept with or without gradient checkpointing)."""
+
+    blocks: tuple[BlockActivations, ...]
+    outside: TokenElements
 
 
 @dataclass(frozen=True)
@@ -128,53 +130,84 @@ class ActivationEstimate:
         return self.stored + self.recompute
 
 
-def _branch_elements(hidden: int, mlp: int, *, qk_norm: bool, rope: bool, swiglu: bool) -> tuple[int, int]:
-    # Per token: (attention branch, MLP branch) elements autograd keeps (see activation_estimate).
+def _hidden(config: dict) -> int:
+    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+def _branches(hidden: int, mlp: int, *, qk_norm: bool, rope: bool, swiglu: bool) -> tuple[int, int]:
+    """Per token: (attention branch, MLP branch) elements autograd keeps (see :func:`activation_estimate`)."""
     attention = 8 * hidden + (2 * hidden if qk_norm else 0) + (2 * hidden if rope else 0)
     feed_forward = 4 * hidden + (4 if swiglu else 2) * mlp
     return attention, feed_forward
 
 
-def _outside_blocks(config: dict, image: int, text: int) -> int:
-    """Elements per sample kept by the embedders and the output layer: the patch embedding's input, the text
-    projection's input, and the final adaLN norm (input, normalised output) and output projection's input."""
-    hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    patch_inputs = int(config["in_channels"])
-    if config.get("_class_name") == "SD3Transformer2DModel":
-        patch_inputs *= int(config["patch_size"]) ** 2  # SD3 patchifies with a conv; the others get packed tokens
-    return image * (3 * hidden + patch_inputs) + text * int(config["joint_attention_dim"])
+def joint_layout(
+    config: dict,
+    *,
+    patch_inputs: int,
+    qk_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = False,
+    dual_attention_layers: tuple[int, ...] = (),
+) -> ActivationLayout:
+    """The layout of an MMDiT (SD3, FLUX.1, FLUX.2, Qwen-Image): the config's ``num_layers`` joint blocks, then its
+    ``num_single_layers`` single-stream blocks (none without the key), with an MLP ``mlp_ratio`` (default 4) times
+    the token width.
+
+    A joint block runs an image and a text stream, each with its own attention projections and MLP, so both branches
+    count for every token; SD3.5's dual-attention layers (``dual_attention_layers``) run a second attention on the
+    image stream (without its own norm input). A single-stream block (FLUX, FLUX.2) runs attention and MLP in
+    parallel on one norm of the joined sequence, with one output projection of input ``h + m``. A block's input is
+    ``h`` per token. Outside the blocks: the patch embedding's input (``patch_inputs`` per image token), the text
+    projection's (``joint_attention_dim`` per text token) and the final adaLN norm's input, output and the output
+    projection's input (``3h`` per image token).
+
+    Args:
+        config: the transformer's full diffusers config (:func:`full_config`).
+        patch_inputs: elements of one image token at the patch embedding (SD3: ``in_channels · patch²``; a packed
+            family's token: ``in_channels``).
+        qk_norm, rope: whether the attention normalises Q and K, and rotates them.
+        swiglu: a SwiGLU MLP (FLUX.2) instead of a GELU one.
+    """
+    hidden = _hidden(config)
+    mlp = int(hidden * float(config.get("mlp_ratio", 4.0)))
+    attention, ff = _branches(hidden, mlp, qk_norm=qk_norm, rope=rope, swiglu=swiglu)
+    inputs = TokenElements(hidden, hidden)
+    dual = set(dual_attention_layers)
+    blocks = [
+        BlockActivations(TokenElements(attention + ff + (attention - hidden if index in dual else 0), attention + ff),
+                         inputs)
+        for index in range(int(config["num_layers"]))
+    ]  # fmt: skip
+    single = attention + ff - 4 * hidden + hidden + mlp
+    blocks += [BlockActivations(TokenElements(single, single), inputs)] * int(config.get("num_single_layers", 0))
+    outside = TokenElements(3 * hidden + patch_inputs, int(config["joint_attention_dim"]))
+    return ActivationLayout(tuple(blocks), outside)
 
 
-def _blocks(config: dict, image: int, text: int) -> list[tuple[int, int]]:
-    """``(elements kept, input elements)`` per sample of every transformer block, in forward order."""
-    name = config.get("_class_name")
-    hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    if name == "SD3Transformer2DModel":
-        attention, ff = _branch_elements(hidden, 4 * hidden, qk_norm=bool(config.get("qk_norm")), rope=False,
-                                         swiglu=False)  # fmt: skip
-        dual = set(config.get("dual_attention_layers") or ())
-        # Joint blocks: an image and a text stream, each with its own attention projections and MLP; SD3.5's dual
-        # attention layers run a second attention on the image stream (without its own norm input).
-        return [
-            ((image + text) * (attention + ff) + (image * (attention - hidden) if index in dual else 0),
-             (image + text) * hidden)
-            for index in range(int(config["num_layers"]))
-        ]  # fmt: skip
-    if name in ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "Flux2Transformer2DModel"):
-        swiglu = name == "Flux2Transformer2DModel"
-        mlp = int(hidden * float(config.get("mlp_ratio", 4.0)))
-        attention, ff = _branch_elements(hidden, mlp, qk_norm=True, rope=True, swiglu=swiglu)
-        double = [((image + text) * (attention + ff), (image + text) * hidden)] * int(config["num_layers"])
-        # Single-stream blocks (FLUX, FLUX.2): attention and MLP in parallel on one norm of the joined sequence; one
-        # output projection of [attention, MLP activation] (its input h + m) replaces the separate ones.
-        single_tokens = image + text
-        single = (single_tokens * (attention + ff - 4 * hidden + hidden + mlp), single_tokens * hidden)
-        return double + [single] * int(config.get("num_single_layers", 0))
-    raise ValueError(f"no activation layout for {name!r}")
+def cross_attention_layout(
+    config: dict, *, patch_inputs: int, text_dim: int, ffn_dim: int, qk_norm: bool = True, rope: bool = True
+) -> ActivationLayout:
+    """The layout of a DiT whose image (video) tokens attend to the text by cross-attention (Wan).
+
+    Per image token and block: the self-attention branch and the MLP as in :func:`joint_layout` (``ffn_dim`` wide,
+    GELU), and the cross-attention's norm input and output, Q, the normed Q and the attention output (``5h``); per
+    text token and block, the cross-attention's K, normed K and V (``3h``). A block's input is ``h`` per image token
+    (the text states enter every block from one tensor, kept once, outside). Outside the blocks: the patch
+    embedding's input (``patch_inputs`` per image token), the final norm's input, output and the projection's input
+    (``3h``), and the text embedder's input, hidden and activated states and output (``text_dim + 3h`` per text
+    token).
+    """
+    hidden = _hidden(config)
+    attention, ff = _branches(hidden, ffn_dim, qk_norm=qk_norm, rope=rope, swiglu=False)
+    cross = 5 * hidden if qk_norm else 4 * hidden
+    block = BlockActivations(TokenElements(attention + cross + ff, 3 * hidden), TokenElements(hidden, 0))
+    outside = TokenElements(3 * hidden + patch_inputs, text_dim + 3 * hidden)
+    return ActivationLayout((block,) * int(config["num_layers"]), outside)
 
 
 def activation_estimate(
-    config: dict,
+    layout: ActivationLayout,
     image_tokens: int,
     text_tokens: int,
     batch: int,
@@ -185,7 +218,8 @@ def activation_estimate(
 
     Formula: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4.1) count
     ``s·b·h·(34 + 5·a·s/h)`` bytes per transformer layer at 16 bits: attention 11sbh + 5as²b, MLP 19sbh, two
-    LayerNorms 4sbh. Adapted to a DiT block, per token and in elements (× ``itemsize`` bytes):
+    LayerNorms 4sbh. Adapted to a DiT block, per token and in elements (× ``itemsize`` bytes), by the family's
+    ``layout`` (:func:`joint_layout`, :func:`cross_attention_layout`):
 
     * attention branch ``8h``: the norm's input, its normalised output (the adaLN scale's gradient), the modulated
       input of Q/K/V, Q, K and V, the attention output (the output projection's input) and its projection (the
@@ -194,33 +228,50 @@ def activation_estimate(
       dropout masks: DiTs train without dropout.
     * MLP branch ``4h + 2m`` (GELU: the norm's input and output, the modulated fc1 input, fc1's output m, the
       activation's output m, fc2's output) or ``4h + 4m`` (SwiGLU: fc1's output 2m, the gate's output, the
-      product). m is the MLP width: 4h (SD3, FLUX, Qwen-Image), ``mlp_ratio``·h (FLUX.2).
-    * a dual-stream (MMDiT) block counts both branches for every image and text token; SD3.5's dual-attention
-      layers add a second attention branch on the image tokens; a single-stream block runs attention and MLP in
-      parallel on one norm of all tokens, with one output projection of input ``h + m``.
+      product). m is the MLP width.
 
     With gradient checkpointing (diffusers' per-block ``torch.utils.checkpoint``) the forward keeps only each
-    block's inputs (``(image + text)·h``); the backward rebuilds one block at a time (:attr:`ActivationEstimate.
-    recompute`). The embedders and the output layer keep their inputs and the final norm's (``image·(3h + patch
-    input) + text·joint_attention_dim``) either way. Not counted: the backward's own transient activation gradients
-    and allocator fragmentation; the headroom of the fit check covers them.
+    block's inputs; the backward rebuilds one block at a time (:attr:`ActivationEstimate.recompute`). The embedders
+    and the output layer keep theirs either way. Not counted: the backward's own transient activation gradients and
+    allocator fragmentation; the headroom of the fit check covers them.
 
     Args:
-        config: the transformer's full diffusers config (:func:`full_config`: a saved ``config.json`` may leave out
-            arguments at their defaults).
-        image_tokens, text_tokens: tokens per sample (see :func:`image_tokens_at`, :data:`TEXT_TOKENS`).
+        layout: the family's :class:`ActivationLayout` of the denoiser.
+        image_tokens, text_tokens: tokens per sample (the family's ``tokens_per_sample``).
         batch: samples per trainer forward.
         itemsize: bytes per activation element (2 for bf16 compute, 4 for float32).
-
-    Raises:
-        ValueError: for a denoiser class without a layout here.
     """
-    blocks = _blocks(config, image_tokens, text_tokens)
-    outside = _outside_blocks(config, image_tokens, text_tokens)
+
+    def elements(count: TokenElements) -> int:
+        return count.per_sample(image_tokens, text_tokens)
+
+    outside = elements(layout.outside)
     scale = batch * itemsize
     if not gradient_checkpointing:
-        return ActivationEstimate(stored=(outside + sum(kept for kept, _ in blocks)) * scale, recompute=0)
+        return ActivationEstimate(stored=(outside + sum(elements(b.kept) for b in layout.blocks)) * scale, recompute=0)
     return ActivationEstimate(
-        stored=(outside + sum(inputs for _, inputs in blocks)) * scale,
-        recompute=max(kept for kept, _ in blocks) * scale,
+        stored=(outside + sum(elements(b.inputs) for b in layout.blocks)) * scale,
+        recompute=max((elements(b.kept) for b in layout.blocks), default=0) * scale,
     )
+
+
+def count_forward_flops(
+    family: Any, config: dict, latent_shape: tuple[int, ...], cond: dict[str, torch.Tensor]
+) -> tuple[float, int]:
+    """``(FLOPs, parameters)`` of one denoiser forward of one sample, as ``family.predict_velocity`` runs it, counted
+    by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention) on the meta device: the denoiser built
+    from ``config`` without weights, latents ``(1, *latent_shape)`` at timestep 500, the family's one-sample
+    ``cond`` (as ``benchmarks/gpu_check.py`` counts SD3.5's forward).
+
+    Raises:
+        ValueError: if diffusers has no class of ``config["_class_name"]``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = meta_denoiser(config)
+    with torch.device("meta"):
+        latents = torch.empty(1, *latent_shape)
+        timestep = torch.full((1,), 500.0)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        family.predict_velocity(model, latents, timestep, cond)
+    return float(counter.get_total_flops()), sum(p.numel() for p in model.parameters())

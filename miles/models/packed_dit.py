@@ -1,21 +1,24 @@
 """What the families of the FLUX-style pipelines share (``qwen_image``, ``flux``): 2×2 latent packing, a sample size
-chosen per pipeline directory, the stock pipeline's flow shift at it, and a static stock scheduler for the export.
+chosen per pipeline directory, the stock pipeline's flow shift at it, a static stock scheduler for the export, and
+their joint blocks' activation layout.
 
 miles keeps latents unpacked, ``(B, C, H, W)``; such a family packs them into the transformer's tokens inside its
 ``predict_velocity``. A token is one 2×2 patch of latent pixels, its ``4·C`` values laid out as (c, dy, dx), tokens
 in raster order over the ``(H/2, W/2)`` grid (``FluxPipeline._pack_latents`` / ``_unpack_latents``; the same in
 ``QwenImagePipeline``). These pipelines call ``scheduler.set_timesteps(sigmas=linspace(1, 1/S, S), mu=...)``
-themselves, so their export carries :func:`~miles.models.sampling_schedule.sigmas_call_scheduler_config`.
+themselves, so their export carries :func:`~miles.models.stock_schedulers.sigmas_call_scheduler_config`.
 """
 
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from miles.models.base import DENOISER, ModelFamily, read_json
+from miles.models.diffusers_family import DiffusersFamily
+from miles.models.memory import ActivationLayout, joint_layout
+from miles.models.pipeline_files import read_json
 from miles.models.stock_defaults import dynamic_flow_shift, read_sample_size
+from miles.models.stock_schedulers import sigmas_call_scheduler_config
 
 __all__ = ["PACK", "PackedDiTFamily", "pack_latents", "unpack_latents"]
 
@@ -45,37 +48,20 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return patches.reshape(batch, channels, height, width)
 
 
-class PackedDiTFamily(ModelFamily):
-    """The shared half of a family over a FLUX-style pipeline; a subclass adds its guidance form, the prompts, the
-    forward and the VAE.
+class PackedDiTFamily(DiffusersFamily):
+    """The shared half of a family over a FLUX-style pipeline; a subclass adds its guidance form, its prompts and its
+    forward's inputs (:meth:`~miles.models.diffusers_family.DiffusersFamily.forward_inputs`).
+
+    The transformer takes σ (miles' timestep / 1000) and the latents packed 2×2 into tokens; its blocks are joint
+    blocks with QK-norm and rope (FLUX.1 then adds single-stream blocks).
 
     Class attributes:
-        transformer_class: the diffusers class name of ``<path>/transformer``.
         default_sample_size: ``(height, width)`` the stock pipeline samples without ``height`` / ``width``
             (``default_sample_size · vae_scale_factor``).
-        compatible_keys: ``{transformer config key: what it is}`` a teacher and a critic must share with the
-            student (they take its latents and prompt encodings; the sample size is the student's to choose).
     """
 
-    transformer_class: ClassVar[str]
     default_sample_size: ClassVar[tuple[int, int]] = (1024, 1024)
-    compatible_keys: ClassVar[dict[str, str]] = {}
-
-    def transformer_config(self, path: str | Path) -> dict:
-        """``<path>/transformer/config.json``."""
-        return read_json(Path(path) / DENOISER / "config.json", "transformer config")
-
-    def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """``<path>/transformer`` as a :attr:`transformer_class` in eval mode on the CPU.
-
-        Raises:
-            FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
-        """
-        import diffusers
-
-        self.transformer_config(path)  # names the missing file
-        cls = getattr(diffusers, self.transformer_class)
-        return cls.from_pretrained(Path(path) / DENOISER, torch_dtype=dtype).eval()
+    timestep_divisor = 1000.0
 
     def pixel_size(self, path: str | Path) -> tuple[int, int]:
         """``(height, width)`` in pixels: ``model_index.json``'s ``_miles_sample_size``, else
@@ -109,27 +95,20 @@ class PackedDiTFamily(ModelFamily):
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         return dynamic_flow_shift(config, (height // 16) * (width // 16))
 
-    def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
-        """The transformer config keys of :attr:`compatible_keys`, labelled ``"<what> (<key>)"``."""
-        config = self.transformer_config(path)
-        return {f"{what} ({key})": config.get(key) for key, what in self.compatible_keys.items()}
+    def latent_patch(self, config: dict) -> tuple[int, int]:
+        """``(2, 2)``: one token per 2×2 patch of latent pixels, in raster order, whatever the config's
+        ``patch_size``."""
+        return (PACK, PACK)
 
-    def token_grid(self, denoiser: nn.Module, latent_shape: tuple[int, ...]) -> tuple[int, int]:
-        """``(H/2, W/2)``: one token per 2×2 patch of latent pixels, in raster order."""
-        _, height, width = latent_shape
-        return height // PACK, width // PACK
+    def velocity_from_output(self, out: torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The packed output tokens as latents ``(B, C, H, W)``."""
+        return unpack_latents(out, latent_shape[-2], latent_shape[-1])
 
-    def token_width(self, denoiser: nn.Module) -> int:
-        """``num_attention_heads · attention_head_dim``, the blocks' token width."""
-        return int(denoiser.config.num_attention_heads) * int(denoiser.config.attention_head_dim)
-
-    def image_tokens(self, block_output) -> torch.Tensor:
-        """The joint blocks (and FLUX's single blocks) return ``(text_tokens, image_tokens)``: the image tokens
-        ``(B, N, D)``."""
-        return block_output[1]
+    def activation_layout(self, config: dict) -> ActivationLayout:
+        """Joint blocks with QK-norm and rope over packed tokens of ``in_channels`` values, then FLUX.1's
+        ``num_single_layers`` single-stream blocks (none in Qwen-Image)."""
+        return joint_layout(config, patch_inputs=int(config["in_channels"]))
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any]:
         """A static stock scheduler with ``shift`` = k: the pipeline passes ``sigmas=linspace(1, 1/S, S)`` itself."""
-        from miles.models.sampling_schedule import sigmas_call_scheduler_config
-
         return sigmas_call_scheduler_config(**schedule)

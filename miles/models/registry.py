@@ -15,8 +15,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from miles.models.base import ModelFamily, read_json
+from miles.models.base import ModelFamily
 from miles.models.capabilities import GUIDANCE_FORMS
+from miles.models.pipeline_files import pipeline_class_name
 from miles.utils.misc import load_function
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "family_class",
     "family_class_for_pipeline",
     "get_model_family",
+    "pipeline_class_name",
     "register_family",
     "registered_families",
 ]
@@ -133,27 +135,6 @@ def family_class(name: str) -> type:
             "family class ('my_pkg.family.MyFamily')"
         )
     return families[name]
-
-
-def pipeline_class_name(path: str | Path) -> str | None:
-    """The pipeline class ``<path>/model_index.json`` names (``_class_name``; the class of diffusers' custom-pipeline
-    form ``["<module file>", "<class>"]``), None when it names none.
-
-    Raises:
-        FileNotFoundError: when ``model_index.json`` is missing.
-        ValueError: when it is not a JSON object.
-    """
-    model_index = read_json(Path(path) / "model_index.json", "pipeline model_index.json")
-    if not isinstance(model_index, dict):
-        raise ValueError(
-            f"{path}/model_index.json holds {type(model_index).__name__} {model_index!r:.40}, not a JSON object "
-            "naming the pipeline's _class_name and components"
-        )
-    class_name = model_index.get("_class_name")
-    if isinstance(class_name, list) and len(class_name) == 2:
-        # diffusers' custom-pipeline form ["<module file in the directory>", "<class>"] (the digits exports).
-        class_name = class_name[1]
-    return class_name
 
 
 def family_class_for_pipeline(path: str | Path) -> type:

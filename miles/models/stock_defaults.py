@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from miles.models.base import read_json
+from miles.models.pipeline_files import read_json
 
 __all__ = ["SAMPLE_SIZE_KEY", "dynamic_flow_shift", "main", "read_sample_size", "write_sample_size"]
 

@@ -266,13 +266,17 @@ class RayTrainGroup:
         return [actor.update_weights.remote(engines) for actor in self.actors]
 
     def async_export_hf(
-        self, out_dir: str, schedule: dict[str, Any] | None, run_paths: list[tuple[str, str]] | None = None
+        self,
+        out_dir: str,
+        schedule: dict[str, Any] | None,
+        run_paths: list[tuple[str, str]] | None = None,
+        keep_best: dict[str, Any] | None = None,
     ) -> list[ray.ObjectRef]:
         """Write the trained denoiser as a diffusers pipeline directory at ``out_dir`` (rank 0 writes), checked
         against ``run_paths`` (every directory the run reads or writes) right before it writes; ``schedule`` None
-        keeps the source's scheduler."""
+        keeps the source's scheduler; ``keep_best`` marks ``--keep-best``'s export and is written into it."""
         self._take_turn()
-        return [actor.export_hf.remote(out_dir, schedule, run_paths) for actor in self.actors]
+        return [actor.export_hf.remote(out_dir, schedule, run_paths, keep_best) for actor in self.actors]
 
     def async_get_full_state_dict(self) -> list[ray.ObjectRef]:
         """Every rank joins the gather; rank 0's ref holds the unsharded state dict, the others ``{}``."""

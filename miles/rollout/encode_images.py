@@ -23,7 +23,6 @@ factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smalle
 than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
 """
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -32,15 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
-from miles.rollout.offline_files import (
-    OfflineDataError,
-    command_parser,
-    ensure_writable_dir,
-    replace_text,
-    run_command,
-    save_tensors,
-)
+from miles.rollout.offline_files import OfflineDataError
 
 __all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
 
@@ -199,18 +192,11 @@ def encode_image_folder(
         OfflineDataError: for a missing or unsupported pipeline, a missing image folder, an unreadable, too small or
             uncaptioned image, a bad captions file, an unwritable ``out_dir`` or a batch size below 1.
     """
-    from tqdm import tqdm
+    from miles.models import PixelCodec
 
-    from miles.models import PixelCodec, get_model_family, require
-
-    if batch_size < 1:
-        raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
+    family = offline_files.open_family(pipeline, family_name, batch_size, needs=PixelCodec)
     pipeline, out_dir = Path(pipeline), Path(out_dir)
-    if not pipeline.is_dir():
-        raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
     try:
-        family = get_model_family(pipeline, family_name)
-        require(family, PixelCodec, "python -m miles.rollout.encode_images")
         shape = family.image_shape(pipeline)
         latent_shape = family.latent_shape(pipeline)
     except (FileNotFoundError, ValueError, KeyError) as exc:
@@ -223,78 +209,58 @@ def encode_image_folder(
     prompts = [_caption(image, caption_map, prompt) for image in images]
     for image in images:
         _check_size(image, shape)
-    ensure_writable_dir(out_dir, "latents")
+    offline_files.ensure_writable_dir(out_dir, "latents")
 
     records = []
-    disable = (None if len(images) > batch_size else True) if progress is None else not progress
-    with tqdm(total=len(images), unit="image", desc="encoding images", disable=disable) as bar:
-        for start in range(0, len(images), batch_size):
-            batch = torch.from_numpy(
-                np.stack([fit_image(image, shape) for image in images[start : start + batch_size]])
+    for start, batch in offline_files.batches(images, batch_size, progress, "image", "encoding images"):
+        pixels = torch.from_numpy(np.stack([fit_image(image, shape) for image in batch]))
+        latents = family.images_to_latents(pixels).float().cpu()
+        for offset, latent in enumerate(latents):
+            image = images[start + offset]
+            if tuple(latent.shape) != tuple(latent_shape):
+                raise OfflineDataError(
+                    f"image {image} encodes to a latent of shape {tuple(latent.shape)}, but the denoiser takes "
+                    f"{tuple(latent_shape)}; is the pipeline's VAE config consistent with its transformer?"
+                )
+            name = f"latents/{image.stem}.safetensors"
+            offline_files.save_tensors(
+                out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name}
             )
-            latents = family.images_to_latents(batch).float().cpu()
-            for offset, latent in enumerate(latents):
-                image = images[start + offset]
-                if tuple(latent.shape) != tuple(latent_shape):
-                    raise OfflineDataError(
-                        f"image {image} encodes to a latent of shape {tuple(latent.shape)}, but the denoiser takes "
-                        f"{tuple(latent_shape)}; is the pipeline's VAE config consistent with its transformer?"
-                    )
-                name = f"latents/{image.stem}.safetensors"
-                save_tensors(out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name})
-                records.append({"prompt": prompts[start + offset], "latent": name, "file_name": image.name})
-            bar.update(len(latents))
-    lines = [json.dumps(record, ensure_ascii=False) for record in records]
-    replace_text(out_dir / "data.jsonl", "\n".join(lines) + "\n")
-    manifest = {
-        "pipeline": str(pipeline.resolve()),
-        "family": family.name,
-        "image_dir": str(Path(image_dir).resolve()),
-        "image_shape": list(shape),
-        "latent_shape": list(latent_shape),
-        "count": len(records),
-    }
-    replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            records.append({"prompt": prompts[start + offset], "latent": name, "file_name": image.name})
+    offline_files.write_records(out_dir / "data.jsonl", records)
     logger.info("encoded %d images of %s to %s", len(records), image_dir, out_dir)
-    return manifest
+    return offline_files.write_manifest(
+        out_dir / MANIFEST,
+        pipeline,
+        family,
+        image_dir=str(Path(image_dir).resolve()),
+        image_shape=list(shape),
+        latent_shape=list(latent_shape),
+        count=len(records),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
-    # The offline commands share their parser's positionals and error path (offline_files); this is its own part.
-    parser = command_parser(
+    """``python -m miles.rollout.encode_images PIPELINE IMAGE_DIR OUT_DIR [--captions F | --prompt P]``; returns the
+    exit code (0, or 2 after one error line on stderr)."""
+    parser = offline_files.command_parser(
         "python -m miles.rollout.encode_images",
         "Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
-        [("image_dir", "folder of .png / .jpg / .webp images")],
+        ("image_dir", "folder of .png / .jpg / .webp images"),
         "output directory",
+        batch_size=8,
+        batch_help="images per encoder call",
     )
     parser.add_argument("--captions", default=None, help='JSONL of {"file_name": ..., "prompt": ...} per image')
     parser.add_argument("--prompt", default=None, help="caption of every image without --captions line or .txt")
-    parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call (default: 8)")
-    parser.add_argument(
-        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
-    )
-    ns = parser.parse_args(argv)
-    manifest = run_command(
-        parser,
-        lambda: encode_image_folder(
-            ns.pipeline,
-            ns.image_dir,
-            ns.out_dir,
-            captions=ns.captions,
-            prompt=ns.prompt,
-            batch_size=ns.batch_size,
-            family_name=ns.diffusion_model_family,
-        ),
-    )
-    if manifest is None:
-        return 2
-    data = Path(ns.out_dir) / "data.jsonl"
-    print(
-        f"encoded {manifest['count']} images to latents {tuple(manifest['latent_shape'])} in {ns.out_dir}; "
-        f"train with --train-only --prompt-data {data}"
-    )
-    return 0
+
+    def summary(manifest: dict, out: Path) -> str:
+        return (
+            f"encoded {manifest['count']} images to latents {tuple(manifest['latent_shape'])} in {out}; "
+            f"train with --train-only --prompt-data {out / 'data.jsonl'}"
+        )
+
+    return offline_files.run_command(parser, argv, encode_image_folder, ("captions", "prompt"), summary)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ micro-batches hold the same prompts (``--batch-size 1`` makes every cond indepen
 """
 
 import hashlib
-import json
 import logging
 import sys
 from pathlib import Path
@@ -33,15 +32,9 @@ from typing import Any
 
 import torch
 
+from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
-from miles.rollout.offline_files import (
-    OfflineDataError,
-    command_parser,
-    ensure_writable_dir,
-    replace_text,
-    run_command,
-    save_tensors,
-)
+from miles.rollout.offline_files import OfflineDataError
 
 __all__ = ["main", "prompt_hash", "read_prompt_records", "write_prompt_cache"]
 
@@ -120,78 +113,65 @@ def write_prompt_cache(
         OfflineDataError: for a missing or unsupported pipeline, a bad prompt file, an unwritable ``out_dir``, an
             unknown dtype or a batch size below 1.
     """
-    from tqdm import tqdm
-
-    from miles.models import get_model_family
     from miles.models.base import encode_one_prompt
 
     if dtype not in DTYPES:
         raise OfflineDataError(f"--dtype {dtype!r} is unknown; choose one of {list(DTYPES)}")
-    if batch_size < 1:
-        raise OfflineDataError(f"--batch-size must be >= 1, got {batch_size}")
+    family = offline_files.open_family(pipeline, family_name, batch_size)
     pipeline, out_dir = Path(pipeline), Path(out_dir)
-    if not pipeline.is_dir():
-        raise OfflineDataError(f"pipeline directory {pipeline} does not exist")
-    try:
-        family = get_model_family(pipeline, family_name)
-    except (FileNotFoundError, ValueError) as exc:
-        raise OfflineDataError(str(exc)) from exc
     if negative_prompt is None:
         negative_prompt = family.stock_negative_prompt
     records = read_prompt_records(prompts_path, input_key)
-    ensure_writable_dir(out_dir, "cond")
+    offline_files.ensure_writable_dir(out_dir, "cond")
 
     distinct = list(dict.fromkeys(record[input_key] for record in records))
     names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
     encoder = family.load_text_encoder(pipeline, device=device)
     store = DTYPES[dtype]
     shapes: dict[str, list[int]] = {}
-    # tqdm's disable=None: shown only on a terminal; a single batch needs no bar
-    disable = (None if len(distinct) > batch_size else True) if progress is None else not progress
-    with tqdm(total=len(distinct), unit="prompt", desc="encoding prompts", disable=disable) as bar:
-        for start in range(0, len(distinct), batch_size):
-            batch = distinct[start : start + batch_size]
-            cond = family.encode_prompts(encoder, batch)
-            for row, prompt in enumerate(batch):
-                one = {key: value[row].to(store) for key, value in cond.items()}
-                shapes = shapes or {key: list(value.shape) for key, value in one.items()}
-                save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
-            bar.update(len(batch))
+    for _, batch in offline_files.batches(distinct, batch_size, progress, "prompt", "encoding prompts"):
+        cond = family.encode_prompts(encoder, batch)
+        for row, prompt in enumerate(batch):
+            one = {key: value[row].to(store) for key, value in cond.items()}
+            shapes = shapes or {key: list(value.shape) for key, value in one.items()}
+            offline_files.save_tensors(out_dir / names[prompt], one, {"prompt": prompt, "family": family.name})
     # encoded as the engine encodes it without a cache (miles.rollout.conditioning)
     negative = encode_one_prompt(family, encoder, negative_prompt)
-    save_tensors(
+    offline_files.save_tensors(
         out_dir / "negative.safetensors",
         {key: value.to(store) for key, value in negative.items()},
         {"prompt": negative_prompt, "family": family.name},
     )
     # prompts.jsonl last: a crash before it leaves no record that names a missing file.
-    lines = [json.dumps({**record, cond_key: names[record[input_key]]}, ensure_ascii=False) for record in records]
-    replace_text(out_dir / "prompts.jsonl", "\n".join(lines) + "\n")
-    manifest = {
-        "pipeline": str(pipeline.resolve()),
-        "family": family.name,
-        "prompts": str(Path(prompts_path).resolve()),
-        "input_key": input_key,
-        "cond_key": cond_key,
-        "dtype": dtype,
-        "shapes": shapes,
-        "negative_prompt": negative_prompt,
-        "count": len(distinct),
-        "records": len(records),
-    }
-    replace_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    offline_files.write_records(
+        out_dir / "prompts.jsonl", [{**record, cond_key: names[record[input_key]]} for record in records]
+    )
     logger.info("cached %d distinct prompts of %d records in %s", len(distinct), len(records), out_dir)
-    return manifest
+    return offline_files.write_manifest(
+        out_dir / MANIFEST,
+        pipeline,
+        family,
+        prompts=str(Path(prompts_path).resolve()),
+        input_key=input_key,
+        cond_key=cond_key,
+        dtype=dtype,
+        shapes=shapes,
+        negative_prompt=negative_prompt,
+        count=len(distinct),
+        records=len(records),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0, or 2 with one error line on stderr)."""
-    # The offline commands share their parser's positionals and error path (offline_files); this is its own part.
-    parser = command_parser(
+    """``python -m miles.rollout.prompt_cache PIPELINE PROMPTS CACHE_DIR [--negative-prompt P ...]``; returns the exit
+    code (0, or 2 after one error line on stderr)."""
+    parser = offline_files.command_parser(
         "python -m miles.rollout.prompt_cache",
         "Encode every distinct prompt of a JSONL file once with the pipeline's text encoder.",
-        [("prompts", "JSONL prompt file")],
+        ("prompts", "JSONL prompt file"),
         "cache directory to write",
+        batch_size=16,
+        batch_help="prompts per encoder call",
     )
     parser.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: prompt)")
     parser.add_argument("--cond-key", default="cond", help="key naming each record's cond file (default: cond)")
@@ -202,34 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts per encoder call (default: 16)")
-    parser.add_argument(
-        "--diffusion-model-family", default=None, help="family name or dotted path (default: from model_index.json)"
-    )
-    ns = parser.parse_args(argv)
-    manifest = run_command(
-        parser,
-        lambda: write_prompt_cache(
-            ns.pipeline,
-            ns.prompts,
-            ns.out_dir,
-            input_key=ns.input_key,
-            cond_key=ns.cond_key,
-            negative_prompt=ns.negative_prompt,
-            device=ns.device,
-            dtype=ns.dtype,
-            batch_size=ns.batch_size,
-            family_name=ns.diffusion_model_family,
-        ),
-    )
-    if manifest is None:
-        return 2
-    out = Path(ns.out_dir)
-    print(
-        f"cached {manifest['count']} distinct prompts ({manifest['records']} records, {manifest['family']}) in {out}; "
-        f"train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
-    )
-    return 0
+
+    def summary(manifest: dict, out: Path) -> str:
+        return (
+            f"cached {manifest['count']} distinct prompts ({manifest['records']} records, {manifest['family']}) in "
+            f"{out}; train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
+        )
+
+    options = ("input_key", "cond_key", "negative_prompt", "device", "dtype")
+    return offline_files.run_command(parser, argv, write_prompt_cache, options, summary)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,19 @@ from pathlib import Path
 
 from miles.utils.validation import reject
 
-__all__ = ["check_export_target", "nearest_existing", "path_relation", "probe_writable", "replace_dir"]
+__all__ = [
+    "KEEP_BEST_FILE",
+    "check_export_target",
+    "nearest_existing",
+    "path_relation",
+    "probe_writable",
+    "replace_dir",
+]
 
 # What marks a diffusers pipeline directory.
 MODEL_INDEX = "model_index.json"
+# What a --keep-best export records about itself (miles.driver.keep_best), written with the pipeline.
+KEEP_BEST_FILE = "keep_best.json"
 
 
 def path_relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
@@ -84,7 +93,7 @@ def _exported_files(out: Path) -> set[str]:
     """What an earlier export wrote that its source may lack: the transformer's weights and config as
     ``save_pretrained`` names them, and the scheduler config; a user's other files are none of these."""
     # "transformer" is miles.models.base.DENOISER, the denoiser's folder; utils sits below the models layer.
-    names = {"transformer", "scheduler", "transformer/config.json", "scheduler/scheduler_config.json"}
+    names = {"transformer", "scheduler", "transformer/config.json", "scheduler/scheduler_config.json", KEEP_BEST_FILE}
     transformer = out / "transformer"
     if transformer.is_dir():
         names |= {
@@ -102,6 +111,7 @@ def check_export_target(
     source: str | os.PathLike,
     overwrite: bool,
     run_paths: list[tuple[str, str]],
+    name: str = "--save-hf",
 ) -> None:
     """Refuse an export directory that would delete or overwrite what this run did not create.
 
@@ -111,32 +121,33 @@ def check_export_target(
         overwrite: ``--overwrite-save-hf``.
         run_paths: ``(flag, path)`` of every directory the run reads or writes
             (:func:`miles.driver.arguments.run_paths`).
+        name: what the messages call the export (``--keep-best``'s is ``<save-hf>-best``).
 
     Raises:
         ArgumentValidationError: if ``out_dir`` is, contains or lies inside one of ``run_paths``; if it is a file,
             a non-empty directory that is not a pipeline, a pipeline without ``overwrite``, or a pipeline holding
             entries the export would not write again (the user's own files).
     """
-    for name, path in run_paths:
+    for other, path in run_paths:
         relation = path_relation(out_dir, path)
         if relation is not None:
             what = "is also" if relation == "is" else relation
-            reject(f"--save-hf {out_dir} {what} {name} {path}; export to a directory of its own")
+            reject(f"{name} {out_dir} {what} {other} {path}; export to a directory of its own")
     out = Path(out_dir)
     if out.is_file() or out.is_symlink() and not out.is_dir():
-        reject(f"--save-hf {out_dir} is a file; export to a directory")
+        reject(f"{name} {out_dir} is a file; export to a directory")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not (out / MODEL_INDEX).is_file():
-        reject(f"--save-hf {out_dir} exists and is not a pipeline directory; export somewhere else")
+        reject(f"{name} {out_dir} exists and is not a pipeline directory; export somewhere else")
     if not overwrite:
-        reject(f"--save-hf {out_dir} holds a pipeline already; add --overwrite-save-hf to replace it")
+        reject(f"{name} {out_dir} holds a pipeline already; add --overwrite-save-hf to replace it")
     if Path(source).is_dir():
         extra = sorted(_relative_files(out) - _relative_files(source, skip_hidden=True) - _exported_files(out))
         if extra:
             shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
             reject(
-                f"--save-hf {out_dir} holds {shown}, not part of the pipeline the export writes; move it away or "
+                f"{name} {out_dir} holds {shown}, not part of the pipeline the export writes; move it away or "
                 "export elsewhere (--overwrite-save-hf replaces a pipeline, never other files)"
             )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.utils.tracking import read_metrics
 from tests.support.ray import REPO
 
 
@@ -125,13 +126,23 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     env = _env(RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for stage in ("init", "teacher", "student-4step-cfg3"):
+    for stage in ("init", "teacher", "regression-pairs-cfg3", "student-4step-cfg3"):
         assert (out / stage / ".miles_stage_complete.json").is_file(), stage
     summary = (out / "summary.md").read_text()
     for row in ("teacher-28step-cfg3", "teacher-4step-cfg3", "teacher-1step-cfg3", "student-4step-cfg3", "real-train"):
         assert f"| {row} |" in summary, row
     assert (out / "eval-cfg3" / "student-4step-cfg3.png").is_file()
+    # --keep-best fd:min: the evaluation of lowest train-time FD is exported beside the last, and the summary names it.
+    fds = [
+        (r["eval/fd"], r["rollout_id"]) for r in read_metrics(out / "runs" / "student-4step-cfg3") if "eval/fd" in r
+    ]
+    best_fd, best_rollout = min(fds)
+    assert json.loads((out / "student-4step-cfg3-best" / "keep_best.json").read_text())["rollout_id"] == best_rollout
+    assert (
+        f"| student-4step-cfg3 | {best_fd:.3f} after rollout {best_rollout} | `student-4step-cfg3-best/` |" in summary
+    )
     summary_json = json.loads((out / "summary.json").read_text())
+    assert summary_json["training"]["student-4step-cfg3"]["best"] == {"rollout_id": best_rollout, "fd": best_fd}
     assert {row["name"] for row in summary_json["rows"]} >= {"student-4step-cfg3", "real-train"}
     # The teacher's CFG sweep picks the distilled scale: its lowest FD is at the scale the student was named after.
     assert min(summary_json["sweep"], key=lambda row: row["fd"])["guidance_scale"] == 3.0
@@ -146,8 +157,36 @@ def test_digits_recipe_smoke_runs_every_stage_and_reuses_them(ray_cluster, tmp_p
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[teacher] reusing" in again.stderr and "[student-4step-cfg3] reusing" in again.stderr
-    assert "[sweep] reusing" in again.stderr
+    assert "[sweep] reusing" in again.stderr and "[regression pairs] reusing" in again.stderr
     assert "train_diffusion.py" not in again.stderr
+
+
+def test_the_summary_names_the_kept_rollout_and_each_collapse_alarm(tmp_path):
+    from types import SimpleNamespace
+
+    from miles.utils.tracking import MetricsTracker
+
+    recipe = _run_digits_module()
+    run_dir = tmp_path / "runs" / "student-4step-cfg1"
+    tracker = MetricsTracker(SimpleNamespace(output_dir=str(run_dir)), job="driver")
+    tracker.log({"health/std_ratio": 1.0, "health/diversity_ratio": 0.9}, 0)
+    tracker.log({"health/std_ratio": 2.5, "health/diversity_ratio": 0.9}, 1)  # wider than the teacher's
+    tracker.log({"eval/fd": 1.4, "health/eval_diversity": 0.15, "eval/diversity_ratio": 0.9}, 1)
+    tracker.log({"best/fd": 1.4, "best/rollout_id": 1}, 1)
+    tracker.log({"health/std_ratio": float("nan")}, 2)
+    tracker.log({"eval/fd": 1.6, "eval/diversity_ratio": 0.4, "eval/saturated_excess": 0.2}, 3)  # collapsing
+    info = recipe.kept_and_alarms(run_dir)
+    assert info == {
+        "best": {"rollout_id": 1, "fd": 1.4},
+        "alarms": {"health/std_ratio": [1, 2], "eval/diversity_ratio": [3], "eval/saturated_excess": [3]},
+    }
+    (tmp_path / "student-4step-cfg1-best").mkdir()
+    assert recipe.best_rows(tmp_path, {"teacher": tmp_path, "student-4step-cfg1": run_dir}) == [
+        ["student-4step-cfg1", "1.400 after rollout 1", "`student-4step-cfg1-best/`",
+         "health/std_ratio after rollouts 1, 2; eval/diversity_ratio after rollout 3; eval/saturated_excess after "
+         "rollout 3"]
+    ]  # fmt: skip
+    assert recipe._rollouts(list(range(12, 52))) == "after 40 rollouts (12, 13, 14, 15, …)"
 
 
 def test_digits_recipe_rejects_bad_flags_before_any_stage(tmp_path):
@@ -194,6 +233,8 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
         flags = [flag.format(half=150) for flag in variant]
         if "--dmd2-gan-disc-weight" in flags:
             flags += ["--dmd2-gan-real-data", str(tmp_path / "train.jsonl")]
+        if "--dmd2-regression-weight" in flags:
+            flags += ["--dmd2-regression-pairs", str(tmp_path / "pairs.jsonl")]
         args = parse_args(
             [*recipe.STUDENT_FLAGS, *flags, "--hf-checkpoint", "/models/teacher", "--teacher-load", "/models/teacher",
              "--prompt-data", str(tmp_path / "prompts.jsonl"), "--num-rollout", "300", "--diffusion-num-steps", "4",
@@ -210,13 +251,21 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
         (5, 1.6e-3),
     ]
     assert parsed["ema-nowarmup-linear-grid"].diffusion_timesteps == [1000, 750, 500, 250]
-    # The recipe's own phase 2 holds its EMA at 0.99 from the first step; "warmup" is the phase 2 first measured.
+    # The recipe's own phase 2 holds its EMA at 0.99 from the first step and adds DMD's regression term on the pairs
+    # the recipe writes; "warmup" is the phase 2 first measured, "no-regression" the one before the term.
     recipe_student = parse_args([*recipe.STUDENT_FLAGS, *recipe.PHASE2_FLAGS, "--dmd2-gan-real-data", "r.jsonl",
-                                 "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p",
-                                 "--num-rollout", "3"])  # fmt: skip
+                                 "--dmd2-regression-pairs", "pairs.jsonl", "--hf-checkpoint", "t", "--teacher-load",
+                                 "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     assert (recipe_student.ema_decay, recipe_student.ema_min_decay) == (0.99, 0.99)
+    assert (recipe_student.dmd2_regression_weight, recipe_student.dmd2_regression_pairs) == (0.25, "pairs.jsonl")
+    assert (
+        recipe_student.custom_loss_function_path
+        == "miles.backends.fsdp_utils.loss_hub.regression.dmd2_regression_loss"
+    )
     assert (parsed["warmup"].ema_min_decay, parsed["lora"].ema_min_decay, parsed["reward"].ema_min_decay) == (0, 0, 0)
-    assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
+    assert recipe.ABLATIONS["no-regression"] == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
+    assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["no-regression"], "--dmd2-regression-weight", "0.25"]
+    assert parsed["no-regression"].dmd2_regression_weight == 0.0
     lora = parse_args([*recipe.STUDENT_FLAGS, *recipe.ABLATIONS["lora"], "--dmd2-gan-real-data", "r.jsonl",
                        "--hf-checkpoint", "t", "--teacher-load", "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     # The later --lr overrides the recipe's; the critic takes the LoRA's rank and its own learning rate.

@@ -1,7 +1,8 @@
 """A video model family defined outside miles: diffusers' Wan transformer over (C, F, H, W) latents.
 
 The worked example of docs/customization.md ("Add your own model"): DMD2 trains it with
-``--diffusion-model-family tests.support.toy_video_family.ToyVideoFamily`` and no edit of miles.
+``--diffusion-model-family tests.support.toy_video_family.ToyVideoFamily`` and no edit of miles, and ``--dry-run``
+plans its memory and time from the layout it declares.
 """
 
 import json
@@ -10,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles.models import DENOISER, ModelFamily, TokenFeatures, TrueCFG
+from miles.models import DENOISER, MemoryLayout, ModelFamily, TokenFeatures, TrueCFG
+from miles.models.memory import ActivationLayout, count_forward_flops, cross_attention_layout
 from miles.models.precision import forward_device_dtype
 
 
@@ -30,7 +32,7 @@ class ToyPromptEncoder:
         return self.table[ids]
 
 
-class ToyVideoFamily(ModelFamily, TrueCFG, TokenFeatures):
+class ToyVideoFamily(ModelFamily, TrueCFG, TokenFeatures, MemoryLayout):
     """Pipelines whose model_index.json names ToyVideoPipeline: transformer/ holds a WanTransformer3DModel,
     toy_video.json the clip size {"frames", "height", "width"} and the prompt length {"text_length"}."""
 
@@ -87,3 +89,26 @@ class ToyVideoFamily(ModelFamily, TrueCFG, TokenFeatures):
 
     def token_width(self, denoiser) -> int:
         return denoiser.config.num_attention_heads * denoiser.config.attention_head_dim
+
+    # MemoryLayout: what the dry run's memory plan and time estimate ask.
+    def tokens_per_sample(self, path) -> tuple[int, int]:
+        _, frames, height, width = self.latent_shape(path)
+        p_t, p_h, p_w = self.transformer_config(path)["patch_size"]
+        return (frames // p_t) * (height // p_h) * (width // p_w), self.settings(path)["text_length"]
+
+    def activation_layout(self, config) -> ActivationLayout:
+        # a WanTransformerBlock: self-attention, cross-attention to the text, an MLP ffn_dim wide
+        p_t, p_h, p_w = config["patch_size"]
+        return cross_attention_layout(
+            config,
+            patch_inputs=config["in_channels"] * p_t * p_h * p_w,
+            text_dim=config["text_dim"],
+            ffn_dim=config["ffn_dim"],
+            qk_norm=bool(config["qk_norm"]),
+        )
+
+    def flops_per_sample(self, path) -> tuple[float, int]:
+        config = self.transformer_config(path)
+        with torch.device("meta"):  # no weight is read: the forward runs on the meta device
+            cond = {"encoder_hidden_states": torch.empty(1, self.settings(path)["text_length"], config["text_dim"])}
+        return count_forward_flops(self, config, self.latent_shape(path), cond)

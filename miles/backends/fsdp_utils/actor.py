@@ -41,6 +41,7 @@ from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import ProcessGroupCollectives
 from miles.utils.device import worker_device
 from miles.utils.log import setup_logging
+from miles.utils.paths import KEEP_BEST_FILE
 from miles.utils.profiling import profiled
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
 from miles.utils.validation import NonFiniteWeightsError
@@ -313,7 +314,11 @@ class FSDPTrainRayActor:
         self.collectives.barrier()
 
     def export_hf(
-        self, out_dir: str, schedule: dict[str, Any] | None, run_paths: list[tuple[str, str]] | None = None
+        self,
+        out_dir: str,
+        schedule: dict[str, Any] | None,
+        run_paths: list[tuple[str, str]] | None = None,
+        keep_best: dict[str, Any] | None = None,
     ) -> str:
         """Collective: write the trained denoiser as a diffusers pipeline directory (rank 0 writes).
 
@@ -329,6 +334,8 @@ class FSDPTrainRayActor:
             run_paths: ``(flag, path)`` of every directory the run reads or writes; ``out_dir`` is checked against
                 them (and for what it may replace, :func:`miles.utils.paths.check_export_target`) before the copy
                 and again right before the rename.
+            keep_best: ``--keep-best``'s export (``<save-hf>-best``): its record, written into the export; the
+                driver checked the directory before Ray and replaces it only with a better rollout's student.
 
         Returns:
             ``out_dir``.
@@ -351,10 +358,16 @@ class FSDPTrainRayActor:
                 self.family,
                 state_dict,
                 schedule,
-                overwrite=self.run.export.overwrite,
+                # A best export replaces only an earlier best export (its keep_best.json), or what the user allowed.
+                overwrite=self.run.export.overwrite
+                or keep_best is not None
+                and (Path(out_dir) / KEEP_BEST_FILE).is_file(),
                 run_paths=run_paths or [],
                 lora=self.spec.lora,
-                save_lora=self.run.export.save_lora,
+                # The best export holds the merged weights only; --save-hf-lora's adapter is the last export's.
+                save_lora=self.run.export.save_lora and keep_best is None,
+                keep_best=keep_best,
+                name="--keep-best's export" if keep_best is not None else "--save-hf",
             )
             logger.debug("exported %s pipeline to %s", self.role, out_dir)
         # The other ranks wait on the host (a gloo group), outside NCCL's watchdog, while rank 0 alone writes.

@@ -5,6 +5,7 @@ weights and whose scheduler records the student's sampling schedule; it appears 
 crash leaves either the old directory or the new one, never half of one.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from miles.backends.fsdp_utils import checkpoint
 from miles.models.base import DENOISER
 from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, merge_lora
-from miles.utils.paths import check_export_target, replace_dir
+from miles.utils.paths import KEEP_BEST_FILE, check_export_target, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
 __all__ = ["LORA_DIR", "write_pipeline"]
@@ -35,6 +36,8 @@ def write_pipeline(
     run_paths: list[tuple[str, str]],
     lora: LoraSettings | None = None,
     save_lora: bool = False,
+    keep_best: dict[str, Any] | None = None,
+    name: str = "--save-hf",
 ) -> None:
     """Write ``src``'s pipeline with ``state_dict`` as its denoiser to ``out``.
 
@@ -58,6 +61,9 @@ def write_pipeline(
         save_lora: ``--save-hf-lora``: also write the adapter alone to ``<out>/lora/`` in diffusers' LoRA format
             (``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A.weight`` and the adapter config
             as metadata), which ``pipe.load_lora_weights(out / "lora")`` loads on the base pipeline.
+        keep_best: ``--keep-best``'s record of this export (the figure, its value, the rollout), written into it as
+            ``keep_best.json`` so that it is renamed into place with the pipeline.
+        name: what the messages call the export (``--keep-best``'s export).
 
     Raises:
         ArgumentValidationError: if ``out`` may not be written (see ``check_export_target``).
@@ -65,7 +71,7 @@ def write_pipeline(
     """
     from miles.models.sampling_schedule import write_sampling_schedule
 
-    check_export_target(out, src, overwrite, run_paths)
+    check_export_target(out, src, overwrite, run_paths, name=name)
     # A name of this project's own, so that no user's directory is mistaken for a leftover.
     tmp = out.parent / f".{out.name}.miles-export.tmp"
     try:
@@ -89,6 +95,8 @@ def write_pipeline(
                 stock_scheduler=family.stock_scheduler,
                 stock_config=family.stock_scheduler_config,
             )
+        if keep_best is not None:
+            (tmp / KEEP_BEST_FILE).write_text(json.dumps(keep_best, indent=2) + "\n")
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(
@@ -96,7 +104,7 @@ def write_pipeline(
             "nothing at that path changed"
         ) from exc
     try:
-        check_export_target(out, src, overwrite, run_paths)
+        check_export_target(out, src, overwrite, run_paths, name=name)
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -15,8 +15,9 @@ classifier's own representation of a digit, as Inception-v3 pool features are fo
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import joblib
 import numpy as np
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MIN_HELDOUT_ACCURACY = 0.97
 _FORMAT_VERSION = 1
@@ -145,39 +147,52 @@ def train_classifier(split_seed: int = SPLIT_SEED) -> DigitsClassifier:
     )
 
 
-def _cache_path(cache_dir: Path, split_seed: int) -> Path:
-    return cache_dir / f"digits_mlp_v{_FORMAT_VERSION}_sklearn-{sklearn.__version__}_split-{split_seed}.joblib"
-
-
-@functools.lru_cache(maxsize=8)
-def _load_cached(cache_dir: str, split_seed: int) -> DigitsClassifier:
-    path = _cache_path(Path(cache_dir), split_seed)
+def load_or_train(
+    path: Path, what: str, load: Callable[[Path], T], train: Callable[[], T], save: Callable[[T, Path], None]
+) -> T:
+    """A model trained once and cached in the file ``path``: ``load(path)`` when the file is there (a corrupt or
+    foreign file is retrained, with a warning naming ``what``), else ``train()``, then ``save(model, tmp)`` and an
+    atomic rename to ``path``: two processes training at once both write a complete file and the last one wins."""
     if path.exists():
         try:
-            payload = joblib.load(path)
-            classifier = DigitsClassifier(
-                payload["model"],
-                split_seed=payload["split_seed"],
-                heldout_accuracy=payload["heldout_accuracy"],
-                sklearn_version=payload["sklearn_version"],
-            )
-            logger.debug("loaded digits classifier from %s", path)
-            return classifier
+            model = load(path)
+            logger.debug("loaded %s from %s", what, path)
+            return model
         except Exception as exc:  # a corrupt or foreign cache file is rebuilt, not fatal
-            logger.warning("could not load digits classifier cache %s (%s); retraining", path, exc)
-    classifier = train_classifier(split_seed)
+            logger.warning("could not load %s cache %s (%s); retraining", what, path, exc)
+    model = train()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
+    save(model, tmp)
+    os.replace(tmp, path)
+    return model
+
+
+def _read_classifier(path: Path) -> DigitsClassifier:
+    payload = joblib.load(path)
+    return DigitsClassifier(
+        payload["model"],
+        split_seed=payload["split_seed"],
+        heldout_accuracy=payload["heldout_accuracy"],
+        sklearn_version=payload["sklearn_version"],
+    )
+
+
+def _write_classifier(classifier: DigitsClassifier, path: Path) -> None:
     payload = {
         "model": classifier.model,
         "split_seed": classifier.split_seed,
         "heldout_accuracy": classifier.heldout_accuracy,
         "sklearn_version": classifier.sklearn_version,
     }
-    joblib.dump(payload, tmp)
-    # Atomic rename: two processes training at once both write a complete file and the last one wins.
-    os.replace(tmp, path)
-    return classifier
+    joblib.dump(payload, path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(cache_dir: str, split_seed: int) -> DigitsClassifier:
+    path = Path(cache_dir) / f"digits_mlp_v{_FORMAT_VERSION}_sklearn-{sklearn.__version__}_split-{split_seed}.joblib"
+    train = functools.partial(train_classifier, split_seed)
+    return load_or_train(path, "digits classifier", _read_classifier, train, _write_classifier)
 
 
 def load_classifier(cache_dir: str | os.PathLike | None = None, split_seed: int = SPLIT_SEED) -> DigitsClassifier:

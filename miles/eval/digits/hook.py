@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from miles.eval.digits.data import DIGIT_PROMPTS
+from miles.eval.digits.data import DIGIT_PROMPTS, load_split
 from miles.eval.digits.grids import save_digit_grid
 from miles.eval.digits.metrics import evaluate_images, evaluate_real_baseline, summary_notes
 from miles.eval.grids import eval_grid_path
 from miles.eval.report import aggregate_seeds, log_to_wandb, write_summary
 from miles.models.digits_pipeline import DigitsPipeline
+from miles.utils.health import reference_figures
 
 __all__ = [
     "TEACHER_STEPS",
@@ -73,17 +74,15 @@ def sample_digits(
     n_per_class: int,
     *,
     seed: int,
-    num_steps: int | None = None,
-    guidance_scale: float | None = None,
-    step_rule: str | None = None,
-    shift: float | None = None,
     batch_size: int = 100,
     desc: str = "sampling",
+    **schedule: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Draw ``n_per_class`` digits of each class 0..9 (sample indices ``0..10·n_per_class − 1``, class-major).
 
-    Arguments after ``seed`` are :meth:`DigitsPipeline.__call__`'s (None = the pipeline's default). A tqdm bar
-    counts the images (hidden when stderr is not a terminal).
+    ``schedule`` holds the sampling keywords of :meth:`DigitsPipeline.__call__` (``num_inference_steps``,
+    ``guidance_scale``, ``step_rule``, ``shift``; unset or None = the pipeline's default). A tqdm bar counts the
+    images (hidden when stderr is not a terminal).
 
     Returns:
         ``(images, labels)``: uint8 ``(N, 8, 8, 1)`` pixels 0..255 and int64 ``(N,)`` labels, N = 10·n_per_class.
@@ -102,13 +101,10 @@ def sample_digits(
             chunks.append(
                 pipeline(
                     prompts[start:stop],
-                    num_inference_steps=num_steps,
-                    guidance_scale=guidance_scale,
-                    step_rule=step_rule,
                     seed=seed,
-                    shift=shift,
                     sample_indices=list(range(start, stop)),
                     batch_size=batch_size,
+                    **schedule,
                 ).images
             )
             bar.update(stop - start)
@@ -167,12 +163,12 @@ def evaluate_pipeline(
         pipeline,
         n_per_class,
         seed=seed,
-        num_steps=schedule["num_inference_steps"],
+        batch_size=batch_size,
+        desc=name,
+        num_inference_steps=schedule["num_inference_steps"],
         guidance_scale=scale,
         step_rule=schedule["step_rule"],
         shift=shift,
-        batch_size=batch_size,
-        desc=name,
     )
     seconds = time.perf_counter() - start
     row_meta = {
@@ -338,7 +334,10 @@ def digits_eval_hook(args: Any, images: Any, records: list[dict], rollout_id: in
             (:func:`eval_grid_path`).
 
     Returns:
-        ``{"accuracy", "fd", "precision", "recall", "spread_ratio"}`` as floats (NaN when not computable).
+        ``{"accuracy", "fd", "precision", "recall", "spread_ratio"}`` as floats (NaN when not computable), and the
+        collapse alarms' ``"diversity_ratio"`` (the per-class pixel spread across samples over the held-out real
+        digits') and ``"saturated_excess"`` (the share of pixels at 0 or 255 minus the real digits')
+        (:func:`miles.utils.health.reference_figures`; the ratio needs two images of a class).
 
     Raises:
         ValueError: when a record has no label or N is not a multiple of the record count.
@@ -363,4 +362,9 @@ def digits_eval_hook(args: Any, images: Any, records: list[dict], rollout_id: in
     save_digit_grid(
         images, labels, eval_grid_path(args, rollout_id), per_row=int(min(np.bincount(labels).max(), 10)), title=title
     )
-    return {key: float("nan") if result.get(key) is None else float(result[key]) for key in _HOOK_FIGURES}
+    figures = {key: float("nan") if result.get(key) is None else float(result[key]) for key in _HOOK_FIGURES}
+    # The collapse alarms' figures against the held-out real digits of each prompt's class (miles.utils.health).
+    real_images, real_labels = load_split("heldout")
+    figures.update(reference_figures(images, [str(label) for label in labels], real_images,
+                                     [str(label) for label in real_labels]))  # fmt: skip
+    return figures

@@ -27,7 +27,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
-from miles.eval.digits.classifier import default_cache_dir, prepare_images
+from miles.eval.digits.classifier import default_cache_dir, load_or_train, prepare_images
 from miles.eval.digits.data import DIGIT_PROMPTS, SPLIT_SEED, load_split
 
 __all__ = ["MIN_HELDOUT_ACCURACY", "RewardClassifier", "digit_log_prob", "label_of_prompt", "load_reward_classifier"]
@@ -80,30 +80,25 @@ def train_reward_classifier(split_seed: int = SPLIT_SEED) -> RewardClassifier:
     return RewardClassifier(model.coef_, model.intercept_, accuracy)
 
 
-def _cache_path(cache_dir: Path, split_seed: int) -> Path:
-    return cache_dir / f"digits_reward_logreg_v{_FORMAT_VERSION}_sklearn-{sklearn.__version__}_split-{split_seed}.npz"
+def _read_reward(path: Path) -> RewardClassifier:
+    with np.load(path) as payload:
+        return RewardClassifier(payload["weight"], payload["bias"], float(payload["heldout_accuracy"]))
 
 
-@functools.lru_cache(maxsize=4)
-def _load_cached(cache_dir: str, split_seed: int) -> RewardClassifier:
-    path = _cache_path(Path(cache_dir), split_seed)
-    if path.exists():
-        try:
-            with np.load(path) as payload:
-                return RewardClassifier(payload["weight"], payload["bias"], float(payload["heldout_accuracy"]))
-        except Exception as exc:  # a corrupt cache file is rebuilt, not fatal
-            logger.warning("could not load digits reward cache %s (%s); retraining", path, exc)
-    classifier = train_reward_classifier(split_seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
+def _write_reward(classifier: RewardClassifier, path: Path) -> None:
     np.savez(
-        tmp,
+        path,
         weight=classifier.weight.numpy(),
         bias=classifier.bias.numpy(),
         heldout_accuracy=np.float64(classifier.heldout_accuracy),
     )
-    os.replace(tmp, path)  # atomic: concurrent writers each leave a whole file
-    return classifier
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(cache_dir: str, split_seed: int) -> RewardClassifier:
+    name = f"digits_reward_logreg_v{_FORMAT_VERSION}_sklearn-{sklearn.__version__}_split-{split_seed}.npz"
+    train = functools.partial(train_reward_classifier, split_seed)
+    return load_or_train(Path(cache_dir) / name, "digits reward", _read_reward, train, _write_reward)
 
 
 def load_reward_classifier(cache_dir: str | os.PathLike | None = None, split_seed: int = SPLIT_SEED):

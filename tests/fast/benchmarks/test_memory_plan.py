@@ -23,7 +23,7 @@ def _script():
 
 def test_every_model_of_the_table_has_a_sourced_config():
     script = _script()
-    assert len(script.MODELS) == 5
+    assert len(script.MODELS) == 5 and set(script.FAMILIES) == set(script.MODELS)
     for name in script.MODELS:
         config = json.loads((script.CONFIGS / f"{name}.json").read_text())
         assert config["_source"] and config["_class_name"]
@@ -34,6 +34,7 @@ def test_the_table_and_the_breakdown_of_one_config(tmp_path, monkeypatch, capsys
     (tmp_path / "tiny.json").write_text(json.dumps(TINY_SD3))
     monkeypatch.setattr(script, "CONFIGS", tmp_path)
     monkeypatch.setattr(script, "MODELS", {"tiny": "Tiny SD3", "absent": "Absent"})
+    monkeypatch.setattr(script, "FAMILIES", {"tiny": "sd3", "absent": "sd3"})
     rows = script.table(1024, ema=False)
     assert len(rows) == 2 + 3 * 2  # header, rule, then full and LoRA at 1, 8 and 64 GPUs; no row for "absent"
     assert "no sourced config" in capsys.readouterr().err

@@ -274,6 +274,17 @@ def _save_hf_pipeline_without_overwrite(w, d):
     return sft(w, d, "--save-hf", str(d / "student")), "holds a pipeline already; add --overwrite-save-hf"
 
 
+def _keep_best_export_holds_a_pipeline(w, d):
+    copy_pipeline(w.pipeline, d / "student-best")
+    argv = sft(w, d, "--save-hf", str(d / "student"), "--eval-interval", "1", "--keep-best", "fd:min")
+    return argv, f"--keep-best's export {d / 'student-best'} holds a pipeline already; add --overwrite-save-hf"
+
+
+def _regression_pairs_missing(w, d):
+    argv = dmd2(w, d, "--dmd2-regression-weight", "0.25", "--dmd2-regression-pairs", str(d / "pairs.jsonl"))
+    return argv, f"error: --dmd2-regression-pairs {d / 'pairs.jsonl'} does not exist"
+
+
 def _save_hf_pipeline_with_user_files(w, d):
     copy_pipeline(w.pipeline, d / "student")
     write(d / "student" / "notes.txt", "mine\n")
@@ -594,6 +605,40 @@ COMMANDS: dict[str, Callable] = {
     "save-hf-unwritable": _save_hf_unwritable,
     "output-dir-inside-the-pipeline": _output_dir_inside_the_pipeline,
     "save-is-the-teacher": _save_is_the_teacher,
+    # --keep-best (issue 34): a direction, evaluations and somewhere to keep the rollout, an export of its own
+    "keep-best-without-direction": flag_case(
+        "--save", "{d}/ckpt", "--eval-interval", "1", "--keep-best", "fd", message="--keep-best fd needs a direction"
+    ),
+    "keep-best-bad-direction": flag_case(
+        "--save",
+        "{d}/ckpt",
+        "--eval-interval",
+        "1",
+        "--keep-best",
+        "fd:lowest",
+        message="--keep-best fd:lowest: the direction must be min or max, got 'lowest'",
+    ),
+    "keep-best-without-evaluation": flag_case(
+        "--save", "{d}/ckpt", "--keep-best", "fd:min", message="--keep-best fd:min picks a rollout by its evaluations"
+    ),
+    "keep-best-without-save": flag_case(
+        "--eval-interval", "1", "--keep-best", "fd:min", message="--keep-best fd:min keeps the best rollout in --save"
+    ),
+    "keep-best-export-holds-a-pipeline": _keep_best_export_holds_a_pipeline,
+    # DMD's regression loss (issue 34)
+    "regression-weight-without-pairs": flag_case(
+        "--dmd2-regression-weight", "0.25", base=dmd2, message="--dmd2-regression-weight > 0 needs --dmd2-regressio"
+    ),
+    "regression-pairs-without-weight": flag_case(
+        "--dmd2-regression-pairs",
+        "{d}/pairs.jsonl",
+        base=dmd2,
+        message="--dmd2-regression-pairs is read by the regression loss only",
+    ),
+    "regression-weight-negative": flag_case(
+        "--dmd2-regression-weight", "-1", base=dmd2, message="--dmd2-regression-weight must be >= 0, got -1.0"
+    ),
+    "regression-pairs-missing": _regression_pairs_missing,
     # the cluster
     "dead-ray-address": _dead_ray_address,
 }

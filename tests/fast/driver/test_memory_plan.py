@@ -22,6 +22,7 @@ from miles.driver.memory_plan import (
     plan_run,
     startup_table,
 )
+from miles.models import family_class
 from miles.models.lora import add_lora_adapter
 from miles.models.memory import ActivationEstimate
 from miles.models.precision import cast_buffers
@@ -32,7 +33,15 @@ TINY_SD3 = {
     "num_layers": 2, "attention_head_dim": 8, "num_attention_heads": 3, "joint_attention_dim": 32,
     "caption_projection_dim": 24, "pooled_projection_dim": 32, "pos_embed_max_size": 8,
 }  # fmt: skip
-SETTING = PlanSetting(dp_size=1, compute_dtype=torch.bfloat16, image_tokens=16, text_tokens=8)
+# The family lays out the activations (MemoryLayout); its path is not read.
+SD3 = family_class("sd3")("unused")
+
+
+def _setting(*args, **kwargs) -> PlanSetting:
+    return PlanSetting(*args, family=SD3, **kwargs)
+
+
+SETTING = _setting(dp_size=1, compute_dtype=torch.bfloat16, image_tokens=16, text_tokens=8)
 
 
 def _real(config: dict) -> torch.nn.Module:
@@ -85,13 +94,13 @@ def test_a_lora_group_holds_one_base_in_the_compute_dtype_and_trains_only_its_ad
 def test_two_ranks_hold_the_torch_chunk_shards_of_every_parameter():
     model = _real(TINY_SD3)
     per_rank = [
-        plan_group(GroupSpec("actor", TINY_SD3), PlanSetting(2, torch.float32, 16, 8, rank=rank)) for rank in (0, 1)
+        plan_group(GroupSpec("actor", TINY_SD3), _setting(2, torch.float32, 16, 8, rank=rank)) for rank in (0, 1)
     ]
     for rank, plan in enumerate(per_rank):
         chunks = [torch.chunk(p, 2, dim=0) for p in model.parameters()]
         assert plan.parameters == sum(c[rank].numel() * 4 for c in chunks if rank < len(c))
     assert per_rank[0].parameters + per_rank[1].parameters == _nbytes(model.parameters())
-    whole = plan_group(GroupSpec("actor", TINY_SD3), PlanSetting(1, torch.float32, 16, 8))
+    whole = plan_group(GroupSpec("actor", TINY_SD3), _setting(1, torch.float32, 16, 8))
     # Sharded, the optimizer state halves but the window gathers the whole model and its unsharded gradients.
     assert per_rank[0].optimizer < whole.optimizer and per_rank[0].gathered_train == 2 * whole.parameters
 
@@ -99,11 +108,11 @@ def test_two_ranks_hold_the_torch_chunk_shards_of_every_parameter():
 def test_zero3_gathers_less_than_the_whole_model_and_checkpointing_keeps_fewer_activations():
     deeper = {**TINY_SD3, "num_layers": 4}  # with two blocks, "two at a time" is the whole model
     spec = GroupSpec("critic", deeper, teacher=deeper)
-    zero2 = plan_group(spec, PlanSetting(2, torch.bfloat16, 16, 8))
-    zero3 = plan_group(spec, PlanSetting(2, torch.bfloat16, 16, 8, reshard_every_microbatch=True))
+    zero2 = plan_group(spec, _setting(2, torch.bfloat16, 16, 8))
+    zero3 = plan_group(spec, _setting(2, torch.bfloat16, 16, 8, reshard_every_microbatch=True))
     assert 0 < zero3.gathered_train < zero2.gathered_train
     assert 0 < zero3.gathered_inference < zero2.gathered_inference
-    checkpointed = plan_group(GroupSpec("critic", TINY_SD3), PlanSetting(1, torch.bfloat16, 16, 8, True))
+    checkpointed = plan_group(GroupSpec("critic", TINY_SD3), _setting(1, torch.bfloat16, 16, 8, True))
     assert checkpointed.activations.stored < plan_group(GroupSpec("critic", TINY_SD3), SETTING).activations.stored
 
 
@@ -117,7 +126,7 @@ def test_a_rank_fits_when_its_peak_leaves_the_headroom_free():
 
 
 def test_start_up_holds_the_shards_one_tensor_in_flight_and_the_groups_before_it_asleep():
-    setting = PlanSetting(2, torch.bfloat16, 16, 8, ranks_per_node=2)
+    setting = _setting(2, torch.bfloat16, 16, 8, ranks_per_node=2)
     critic = plan_group(GroupSpec("critic", TINY_SD3, teacher=TINY_SD3), setting)
     actor = plan_group(GroupSpec("actor", TINY_SD3, ema=True), setting)
     # GPU: the shards as loaded, the buffers twice while to_empty replaces them, no optimizer state before a step.
@@ -133,7 +142,7 @@ def test_start_up_holds_the_shards_one_tensor_in_flight_and_the_groups_before_it
     )
     assert lora.startup_host == lora.buffers + adapter_numel * 4 + largest * (4 + 2)
     # A resumed run loads its optimizer state at start-up.
-    resumed = plan_group(GroupSpec("actor", TINY_SD3, ema=True), PlanSetting(2, torch.bfloat16, 16, 8, resume=True))
+    resumed = plan_group(GroupSpec("actor", TINY_SD3, ema=True), _setting(2, torch.bfloat16, 16, 8, resume=True))
     assert resumed.startup == actor.startup + actor.optimizer
     # While the actor loads, the critic sleeps in host memory with what it holds at rest (no optimizer state yet).
     rows = [line.split() for line in startup_table(setting, [critic, actor])[2:]]

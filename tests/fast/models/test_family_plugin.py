@@ -2,10 +2,12 @@
 video family of :mod:`tests.support.toy_video_family` (diffusers' Wan transformer over ``(C, F, H, W)`` latents)
 by its dotted path. The run is the one docs/customization.md shows, read from the doc: 2 DP ranks on CPU, 2
 rollouts, the critic with its GAN head on real latent files, an eval at the end (the eval grid and the DMD2 debug
-grid draw video as frame strips) and the export; it joins the session's Ray cluster. The doc also shows the
-family's module verbatim; the first test pins that."""
+grid draw video as frame strips) and the export; it joins the session's Ray cluster. The same command with
+``--dry-run`` plans its memory and time from the layout the family declares (no Ray). The doc also shows the family's
+module verbatim; the first test pins that."""
 
 import json
+import logging
 import math
 import re
 import shlex
@@ -44,6 +46,34 @@ def _doc_commands(root: Path) -> tuple[str, list[str]]:
     argv = shlex.split(train.replace(directory, str(root)))
     assert argv[:2] == ["python", "train_diffusion.py"]
     return directory, argv[2:]
+
+
+def test_the_dry_run_plans_the_familys_memory_and_time_from_the_layout_it_declares(tmp_path, caplog):
+    """The planner and the estimate know no family: the toy family's own MemoryLayout gives 2 frames × 4 × 4 = 32
+    image tokens and 8 text tokens per sample, an activation layout and a FLOP count of its forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from miles.models import family_class
+
+    _, argv = _doc_commands(tmp_path)
+    write_toy_inputs(tmp_path)
+    with caplog.at_level(logging.INFO):
+        run_main([*argv, "--dry-run"])
+    text = caplog.text
+    assert "memory per GPU, DP rank 0 of 2: float32 compute, 32 image + 8 text tokens per sample" in text
+    assert "  critic  " in text and "   actor  " in text  # a row of the plan per group
+    assert "memory plan: not available" not in text and "time estimate: none" not in text
+    assert "32 image + 8 text tokens); float32 compute: no seconds" in text
+    # The count on the meta device is the real forward's (the math attention kernel: counted by its matmuls).
+    family = family_class(FAMILY)(tmp_path / "pipeline")
+    flops, parameters = family.flops_per_sample(tmp_path / "pipeline")
+    denoiser = family.load_denoiser(tmp_path / "pipeline")
+    cond = family.encode_prompts(family.load_text_encoder(tmp_path / "pipeline"), ["a ball rolls left"])
+    latents = torch.zeros(1, *family.latent_shape(tmp_path / "pipeline"))
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        family.predict_velocity(denoiser, latents, torch.full((1,), 500.0), cond)
+    assert flops == counter.get_total_flops() > 0 and parameters == sum(p.numel() for p in denoiser.parameters())
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""``miles.models.memory`` and ``miles.models.lora``: FSDP2 shard sizes, token counts, LoRA adapters on the meta
-device, and the activation estimate against what autograd really keeps for tiny models of every DiT class."""
+"""``miles.models.memory`` and ``miles.models.lora``: FSDP2 shard sizes, LoRA adapters on the meta device, and each
+family's activation layout (``MemoryLayout.activation_layout``) against what autograd really keeps for tiny models
+of every DiT class."""
 
 import pytest
 import torch
 
+from miles.models import family_class
 from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, adapter_parameters, add_lora_adapter
-from miles.models.memory import activation_estimate, full_config, image_tokens_at, meta_denoiser, shard_numel
+from miles.models.memory import activation_estimate, full_config, meta_denoiser, shard_numel
 
 # Tiny configs of the four DiT classes (structure of the real ones, toy width); 8×8 image tokens.
 SIDE, TEXT, BATCH = 8, 24, 2
@@ -23,7 +25,13 @@ CONFIGS = {
     "Flux2Transformer2DModel": dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
                                     attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
                                     timestep_guidance_channels=32, axes_dims_rope=[4, 4, 4, 4], guidance_embeds=False),
+    "WanTransformer3DModel": dict(patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64),
 }  # fmt: skip
+# The family that lays out each class's activations.
+FAMILIES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwen_image",
+            "Flux2Transformer2DModel": "flux2", "WanTransformer3DModel": "wan"}  # fmt: skip
 
 
 def _config(name: str) -> dict:
@@ -47,6 +55,9 @@ def _inputs(name: str) -> dict:
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=torch.randn(BATCH, 4, 2 * SIDE, 2 * SIDE, generator=gen), encoder_hidden_states=text,
                     pooled_projections=torch.randn(BATCH, 32, generator=gen), timestep=timestep * 1000)  # fmt: skip
+    if name == "WanTransformer3DModel":  # one frame of 16 × 16 latent pixels: 8 × 8 tokens of patch (1, 2, 2)
+        return dict(hidden_states=torch.randn(BATCH, 4, 1, 2 * SIDE, 2 * SIDE, generator=gen), encoder_hidden_states=text,
+                    timestep=timestep * 1000)  # fmt: skip
     latents = torch.randn(BATCH, tokens, 16, generator=gen)
     if name == "FluxTransformer2DModel":
         return dict(hidden_states=latents, encoder_hidden_states=text, timestep=timestep,
@@ -114,19 +125,12 @@ def test_a_target_list_that_matches_nothing_is_refused_before_peft_touches_the_m
     assert "to_q" in DEFAULT_LORA_TARGET_MODULES
 
 
-def test_image_tokens_at_1024_pixels():
-    assert image_tokens_at(_config("SD3Transformer2DModel"), 1024) == 64 * 64
-    for name in ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "Flux2Transformer2DModel"):
-        assert image_tokens_at(_config(name), 1024) == 64 * 64
-    with pytest.raises(ValueError, match="not a multiple of 16"):
-        image_tokens_at(_config("FluxTransformer2DModel"), 1000)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_activation_estimate_is_within_15_percent_of_what_autograd_keeps(name):
     model, inputs = _real(name), _inputs(name)
     for checkpointing in (False, True):
         saved = _saved_bytes(model, inputs, checkpointing)
-        estimate = activation_estimate(full_config(model), SIDE * SIDE, TEXT, BATCH, 4, checkpointing)
+        layout = family_class(FAMILIES[name])("unused").activation_layout(full_config(model))
+        estimate = activation_estimate(layout, SIDE * SIDE, TEXT, BATCH, 4, checkpointing)
         assert abs(estimate.stored - saved) <= 0.15 * saved, (checkpointing, estimate.stored, saved)
         assert (estimate.recompute > 0) is checkpointing

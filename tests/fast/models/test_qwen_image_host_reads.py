@@ -9,9 +9,11 @@ records what it is called with.
 import torch
 from torch import nn
 
-from miles.models.qwen_image import qwen_image_velocity
+from miles.models.qwen_image import QwenImageFamily
 
 GPU = torch.device("meta")
+# The forward reads no file of the pipeline: any path will do.
+qwen_image_velocity = QwenImageFamily("unused").predict_velocity
 
 
 class RecordingDenoiser(nn.Module):

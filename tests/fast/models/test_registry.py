@@ -236,5 +236,9 @@ def test_importing_the_models_package_imports_no_family_module_and_no_diffusers(
         "miles.models",
         "miles.models.base",
         "miles.models.capabilities",
+        "miles.models.diffusers_family",
+        "miles.models.memory",
+        "miles.models.pipeline_files",
+        "miles.models.precision",
         "miles.models.registry",
     }

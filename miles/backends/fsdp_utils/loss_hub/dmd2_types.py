@@ -70,6 +70,8 @@ class DMD2Settings:
         gan_eval_real_data: held-out real samples for the discriminator's figures at evaluations, or None.
         reward_weight: w of the reward term (DMDR): the student's x0 gradient gains ``−w·∂reward/∂x̂0`` (0: off).
         reward_function_path: the reward hook ``fn(images, prompts) -> rewards`` by dotted path, or None.
+        regression_weight: w of DMD's regression loss on cached teacher pairs (``loss_hub.regression``; 0: off).
+        regression_pairs: the JSONL of those pairs (``python -m miles.rollout.regression_pairs``), or None.
         teacher_guidance_form: derived: ``"true CFG"`` or ``"embedded"``, the teacher family's guidance form.
         teacher_guidance_origin: derived: one line for the dry run on where the teacher's guidance came from.
     """
@@ -205,6 +207,16 @@ class DMD2Settings:
         help="DMDR: the reward hook fn(images, prompts) -> rewards by dotted path; images float32 (B, C, H, W) in "
         "[0, 1] with autograd, rewards (B,), higher is better (digits: miles.eval.digits.reward.digit_log_prob)."
     )
+    regression_weight: float = option(
+        0.0,
+        help="DMD's regression loss: w of mean((x0 - y)^2) between the student's one-step output from a cached "
+        "noise and the teacher's ODE sample y from it (DMD: 0.25 with LPIPS; 0 = off).",
+        check={"low": 0},
+    )
+    regression_pairs: str | None = option(
+        help="With --dmd2-regression-weight: the pairs' JSONL, written once by python -m "
+        "miles.rollout.regression_pairs TEACHER PROMPTS OUT_DIR (OUT_DIR/pairs.jsonl)."
+    )
     teacher_guidance_form: str = derived("true CFG")
     teacher_guidance_origin: str = derived("")
 
@@ -222,6 +234,11 @@ class DMD2Settings:
     def reward_enabled(self) -> bool:
         """The reward group (DMDR) runs when the reward term has a weight."""
         return self.reward_weight > 0
+
+    @property
+    def regression_enabled(self) -> bool:
+        """DMD's regression term is on when it has a weight."""
+        return self.regression_weight > 0
 
 
 def dmd2_settings(args) -> DMD2Settings:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from miles.eval.digits.data import DIGIT_PROMPTS
+from miles.eval.digits.data import DIGIT_PROMPTS, load_split
 from miles.eval.digits.hook import (
     digits_eval_hook,
     eval_grid_path,
@@ -80,7 +80,8 @@ def test_a_row_reports_its_samples_seed_settings_and_grid(teacher_row, teacher_d
 def test_a_row_is_the_metrics_of_its_seeded_samples_and_repeats_exactly(teacher_row, teacher_dir):
     row, kwargs = teacher_row
     pipeline = load_pipeline(teacher_dir)
-    images, labels = sample_digits(pipeline, N_PER_CLASS, seed=11, num_steps=4, guidance_scale=3.0, step_rule="euler")
+    call = {"num_inference_steps": 4, "guidance_scale": 3.0, "step_rule": "euler"}
+    images, labels = sample_digits(pipeline, N_PER_CLASS, seed=11, **call)
     assert images.shape == (30, 8, 8, 1) and images.dtype == np.uint8
     np.testing.assert_array_equal(labels, np.repeat(np.arange(10), N_PER_CLASS))
     direct = evaluate_images(images, labels, seed=11, name="direct")
@@ -163,10 +164,19 @@ def test_eval_hook_scores_engine_images_and_saves_a_grid(student_dir, tmp_path):
     prompts = [record["prompt"] for record in records for _ in range(2)]
     images = pipeline(prompts, seed=7).images
     figures = digits_eval_hook(args, images, records, rollout_id=3)
-    assert set(figures) == {"accuracy", "fd", "precision", "recall", "spread_ratio"}
+    assert set(figures) == {"accuracy", "fd", "precision", "recall", "spread_ratio", "diversity_ratio",
+                            "saturated_excess"}  # fmt: skip
     assert all(isinstance(v, float) and math.isfinite(v) for v in figures.values())
     direct = evaluate_images(images, np.repeat(np.arange(10), 2), seed=7, name="direct")
     assert figures["fd"] == direct["fd"] and figures["accuracy"] == direct["accuracy"]
+    # The collapse figures against the held-out real digits of each class (pixels in [0, 1]).
+    real, real_labels = load_split("heldout")
+    pixels = np.asarray(images)[..., 0] / 255.0
+    student = np.mean([pixels[2 * d : 2 * d + 2].std(axis=0).mean() for d in range(10)])
+    reference = np.mean([(real[real_labels == d] / 255.0).std(axis=0).mean() for d in range(10)])
+    assert figures["diversity_ratio"] == pytest.approx(student / reference, rel=1e-12)
+    ends = lambda x: np.isin(x, (0, 255)).mean()  # noqa: E731
+    assert figures["saturated_excess"] == pytest.approx(ends(np.asarray(images)) - ends(real), abs=1e-12)
     grid_path = eval_grid_path(args, 3)
     assert grid_path == tmp_path / "eval" / "rollout_3.png" and Image.open(grid_path).height == GRID_HEIGHT
     # one record per image works too; labels may sit in metadata
