@@ -100,6 +100,7 @@ def run_rollouts(
     start_rollout_id: int,
     tracker,
     turns: DeviceTurns | None = None,
+    eval_hook=None,
     keep_best=None,
 ) -> None:
     """Rollouts ``start_rollout_id..--num-rollout − 1``: generate, train each group in order, save, evaluate.
@@ -110,6 +111,7 @@ def run_rollouts(
         engines: the ``--rollout-num-gpus`` ``EngineGroup``, or None when the actor ranks generate.
         tracker: the driver's ``MetricsTracker``: every train, perf and eval figure of the run.
         turns: the groups' :class:`DeviceTurns`; default: made here (:func:`device_turns`).
+        eval_hook: ``--eval-function-path``'s function (``RunSpec.eval_hook``), or None.
         keep_best: ``--keep-best``'s :class:`~miles.driver.keep_best.KeepBest` (restored on a resume), or None.
     """
     from miles.driver.console import RolloutProgress
@@ -168,7 +170,7 @@ def run_rollouts(
                     save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id, best)
                 progress.note(f"saved rollout {rollout_id} to {args.save}")
             with _timer(perf, "perf/eval_time"):
-                eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups)
+                eval_metrics = maybe_evaluate(args, rollout_id, engines or actor, tracker, groups, eval_hook)
             if eval_metrics:
                 progress.note(f"eval after rollout {rollout_id}: {progress.format(eval_metrics)}")
                 current = {alarm.split("=")[0]: alarm for alarm in alarms(eval_metrics)}
@@ -219,7 +221,10 @@ def keep_new_best(args, rollout_id: int, best: dict, saved: bool, rollout_manage
         kept.append(f"exported to {out}")
     if args.save:
         if saved:
-            write_run_record(group_dirs(args, "save")[0], run_record(args, rollout_id, tracker.wandb_run_id, best))
+            write_run_record(
+                group_dirs([group.spec for group in groups.values()], "save")[0],
+                run_record(args, rollout_id, tracker.wandb_run_id, best),
+            )
         else:
             save_rollout(args, rollout_id, rollout_manager, groups, tracker.wandb_run_id, best)
         kept.append(f"kept {os.path.join(args.save, f'rollout_{rollout_id}')}")
@@ -230,14 +235,11 @@ def keep_new_best(args, rollout_id: int, best: dict, saved: bool, rollout_manage
     )
 
 
-def group_dirs(args, name: str) -> list[str]:
-    """Every trainer group's ``--load`` or ``--save`` directory (``name``), the actor's first; a frozen group has
-    none."""
-    from miles.methods import compute_trainer_configs
-    from miles.utils.trainer_config import compute_trainer_args
-
-    configs = sorted(compute_trainer_configs(args), key=lambda config: config.role != "actor")
-    dirs = [getattr(compute_trainer_args(args, config), name) for config in configs]
+def group_dirs(groups, name: str) -> list[str]:
+    """Every trainer group's ``"load"`` or ``"save"`` directory (``name``; ``groups``: their specs, in training
+    order), the actor's first; a frozen group has none."""
+    ordered = sorted(groups, key=lambda group: group.role != "actor")
+    dirs = [group.checkpoint.load if name == "load" else group.checkpoint.save for group in ordered]
     # A frozen group (the DMD2 reward group) has no checkpoint directory.
     return [directory for directory in dirs if directory]
 
@@ -257,9 +259,9 @@ def save_rollout(
     # One group at a time: with turns on, each group's save first puts the awake one to sleep (DeviceTurns). The
     # last group to train is the one awake after a rollout: it saves first, which spares one hand-over.
     for role, group in reversed(groups.items()):
-        if group.args.save:  # a frozen group (the DMD2 reward group) has nothing to save
+        if group.spec.checkpoint.save:  # a frozen group (the DMD2 reward group) has nothing to save
             group.get(group.async_save(rollout_id, data_state if role == "actor" else None), "save", rollout_id)
-    dirs = group_dirs(args, "save")
+    dirs = group_dirs([group.spec for group in groups.values()], "save")
     write_run_record(dirs[0], run_record(args, rollout_id, wandb_run_id, best))
     commit(dirs, rollout_id)
     keep = (best["rollout_id"],) if best and best.get("rollout_id") is not None else ()
@@ -267,9 +269,13 @@ def save_rollout(
         logger.debug("pruned %s", path)
 
 
-def train(args) -> None:
+def train(args, run=None) -> None:
     """Place and start the rollout manager, the trainer groups (and engine replicas), resume if asked, run the
-    rollouts, export the student."""
+    rollouts, export the student.
+
+    Args:
+        run: the run's specs (:func:`miles.driver.specs.build_run_spec`); default: built here from ``args``.
+    """
     from miles.driver.arguments import run_paths
     from miles.driver.console import log_groups_ready
     from miles.driver.evaluation import move_aside_earlier_eval
@@ -277,7 +283,8 @@ def train(args) -> None:
     from miles.driver.keep_best import KeepBest, read_best_export
     from miles.driver.resume import read_run_record, resumed_line
     from miles.driver.run_dir import read_data_state, remove_checkpoints, remove_uncommitted, resume_rollout
-    from miles.methods import compute_trainer_configs, get_method
+    from miles.driver.specs import build_run_spec
+    from miles.methods import get_method
     from miles.ray.errors import get_all
     from miles.ray.placement_group import (
         create_engine_group,
@@ -289,15 +296,16 @@ def train(args) -> None:
     from miles.utils.tracking import MetricsTracker, drop_records_from, move_aside_earlier_metrics
 
     start_time = time.perf_counter()
-    load_rollout_id = resume_rollout(group_dirs(args, "load")) if args.load else None
+    run = build_run_spec(args) if run is None else run
+    load_rollout_id = resume_rollout(group_dirs(run.groups, "load")) if args.load else None
     if args.save and args.overwrite_save:
         # Preflight made sure this is not what --load resumes from; only the entries a checkpoint writes go.
-        for path in remove_checkpoints(group_dirs(args, "save")):
+        for path in remove_checkpoints(group_dirs(run.groups, "save")):
             logger.info("removed %s (--overwrite-save)", path)
     elif args.save:
         # What a crashed rollout left in the directories this run writes: partial and uncommitted checkpoints.
         committed = load_rollout_id if args.load and _same_dir(args.load, args.save) else None
-        for path in remove_uncommitted(group_dirs(args, "save"), committed):
+        for path in remove_uncommitted(group_dirs(run.groups, "save"), committed):
             logger.info("removed %s (not committed by the run that wrote it)", path)
     if load_rollout_id is not None:
         # The resumed rollouts log again: their records of an earlier attempt in this --output-dir move aside.
@@ -318,12 +326,10 @@ def train(args) -> None:
     try:
         pgs = create_placement_groups(args)
         started += [("placement group", pg) for pg, _ in pgs.values()]
-        rollout_manager = create_rollout_manager(args, get_method(args).side_inputs(args))
+        rollout_manager = create_rollout_manager(run, get_method(args).side_inputs(args))
         started.append(("actor", rollout_manager))
-        groups = create_training_models(
-            args, compute_trainer_configs(args), pgs, started=started, load_rollout_id=load_rollout_id
-        )
-        engines = create_engine_group(args, pgs)
+        groups = create_training_models(args, run, pgs, started=started, load_rollout_id=load_rollout_id)
+        engines = create_engine_group(args, run, pgs)
         if engines is not None:
             started += [("actor", engine) for engine in engines.engines]
         log_groups_ready(groups, engines, time.perf_counter() - start_time)
@@ -350,7 +356,7 @@ def train(args) -> None:
             actor.get(actor.async_update_weights(engines.engines), "update_weights")
         # A resumed run continues the wandb run whose id its checkpoint kept.
         tracker = MetricsTracker(args, job="driver", wandb_run_id=(record or {}).get("wandb_run_id"))
-        run_rollouts(args, rollout_manager, groups, engines, start, tracker, turns, keep_best)
+        run_rollouts(args, rollout_manager, groups, engines, start, tracker, turns, run.eval_hook, keep_best)
         if keep_best is not None:
             logger.info("%s", keep_best.summary(args.save, args.save_hf))
         if args.save_hf:
@@ -417,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     from miles.driver.arguments import parse_args
     from miles.driver.preflight import validate_inputs
+    from miles.driver.specs import build_run_spec
     from miles.utils.log import setup_logging
     from miles.utils.validation import ArgumentValidationError
 
@@ -424,14 +431,15 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     _importable_working_dir()
     try:
-        # Hooks, --load, pipelines, data and outputs before Ray starts, in a dry run too.
-        validate_inputs(args)
+        # Hooks (imported once), --load, pipelines, data and outputs before Ray starts, in a dry run too; then the
+        # run's specs, from the hooks the checks imported.
+        run = build_run_spec(args, validate_inputs(args))
     except ArgumentValidationError as exc:
         _fail(str(exc), 2)
     if args.dry_run:
         from miles.driver.plan import log_plan
 
-        log_plan(args)
+        log_plan(args, run)
         return
     import ray
     from ray.exceptions import RayActorError, RayTaskError
@@ -465,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             _init_ray(ray, address)
             if address == "local":
                 check_cluster_fits(args)  # a local cluster never grows: refuse now rather than wait for bundles
-        train(args)
+        train(args, run)
     except Interrupted as exc:
         logger.warning("interrupted by %s; shutting down Ray", exc)
         raise

@@ -587,28 +587,28 @@ class Work:
 
     @classmethod
     def from_argv(cls, argv: list[str], num_layers: int) -> "Work":
+        from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
         from miles.backends.fsdp_utils.loss_hub.gan import feature_blocks
         from miles.driver.arguments import parse_args
-        from miles.methods import compute_trainer_configs, get_method
-        from miles.models.lora import lora_settings
-        from miles.utils.trainer_config import compute_trainer_args
+        from miles.driver.validators import group_layout
+        from miles.methods import get_method
 
         args = parse_args(argv)
-        groups = {config.role: compute_trainer_args(args, config) for config in compute_trainer_configs(args)}
-        critic = groups["critic"]
-        gan = critic.dmd2_gan_gen_weight > 0
+        groups = {group.role: group for group in group_layout(args)}
+        critic, settings = groups["critic"], dmd2_settings(args)
+        gan = settings.gan_gen_weight > 0
         return cls(
             args=args,
             samples=args.rollout_batch_size * args.n_samples_per_prompt,
             micro=args.micro_batch_size,
             steps=args.diffusion_num_steps,
             student_cfg=2 if args.diffusion_guidance_scale != 1 else 1,
-            teacher_cfg=2 if critic.dmd2_teacher_guidance_scale > 1 else 1,
-            critic_rows=get_method(args).train_forward_batch(critic) // critic.micro_batch_size,
+            teacher_cfg=2 if settings.teacher_guidance_scale > 1 else 1,
+            critic_rows=get_method(args).train_forward_batch(args, critic) // critic.micro_batch_size,
             gan_gradient=gan,
-            gan_backward_share=(max(feature_blocks(critic, num_layers)) + 1) / num_layers if gan else 0.0,
-            actor_lora=lora_settings(groups["actor"]) is not None,
-            critic_lora=lora_settings(critic) is not None,
+            gan_backward_share=(max(feature_blocks(args, num_layers)) + 1) / num_layers if gan else 0.0,
+            actor_lora=groups["actor"].lora is not None,
+            critic_lora=critic.lora is not None,
         )
 
 

@@ -188,7 +188,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--train-output-before-step",
         type=int,
         default=None,
-        help="Run the train-output hook before this optimizer step instead of after the last (set by dmd2).",
+        help="Run the train-output hook before this optimizer step instead of after the last (dmd2's critic: "
+        "--dmd2-critic-scoring original).",
     )
     group.add_argument(
         "--sft-uncond-prob",
@@ -491,8 +492,9 @@ def set_default_diffusion_args(args: argparse.Namespace) -> argparse.Namespace:
 
     The flow shifts and the negative prompt ← the model family's (:mod:`miles.driver.family_defaults`), then
     ``--global-batch-size`` ← rollout pairs / ``--num-steps-per-rollout``, then the method's ``set_defaults`` (its
-    hook paths, the step strategy, what the engine must encode; see ``miles.methods``), then
-    ``args.method_settings``, the method's typed settings (``Method.settings``).
+    own flags' defaults, what the engine must encode; see ``miles.methods``), then ``args.method_settings``, the
+    method's typed settings (``Method.settings``). Hook paths are left as typed: the method's own hooks fill the
+    groups' specs where a path is unset (:mod:`miles.driver.specs`).
     """
     fill_flow_shifts(args)
     fill_negative_prompt(args)

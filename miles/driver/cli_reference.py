@@ -89,9 +89,10 @@ def render_cli_reference(parser: argparse.ArgumentParser) -> str:
         f"changing a flag, regenerate it with `{REGENERATE_COMMAND}` (a test fails while it is stale; "
         f"`{REGENERATE_COMMAND} --check` runs the same check).",
         "",
-        "Defaults that depend on other flags (`--global-batch-size`, the hook paths filled by `--loss-type`, "
-        "`--critic-load`, `--critic-lr`, and the flow shifts, which come from the model family) are shown as `—` "
-        "here and filled in by `set_default_diffusion_args`.",
+        "Defaults that depend on other flags (`--global-batch-size`, `--critic-load`, `--critic-lr`, and the flow "
+        "shifts, which come from the model family) are shown as `—` here and filled in by "
+        "`set_default_diffusion_args`; a hook path left unset runs the `--loss-type`'s own hook "
+        "([customization.md](customization.md)).",
     ]
     for group in parser._action_groups:
         actions = [action for action in group._group_actions if not isinstance(action, argparse._HelpAction)]

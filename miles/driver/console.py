@@ -31,10 +31,8 @@ def _fmt(value: Any) -> str:
 
 def log_groups_ready(groups: dict, engines: Any, seconds: float) -> None:
     """One line per trainer group (ranks, device, parameters) and for the engine replicas, once all started."""
-    import ray
-
     for role, group in groups.items():
-        info = ray.get(group.actors[0].describe.remote())
+        info = group.describe()
         logger.info(
             "%s group: %d ranks on %s, %.2fM trainable + %.2fM frozen parameters%s",
             role,

@@ -91,8 +91,9 @@ def assumed_gpu() -> tuple[str, float, bool]:
     return DEFAULT_DEVICE, PEAK_TFLOPS[DEFAULT_DEVICE], False
 
 
-def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Estimate:
-    """The estimate of one rollout for the command ``args`` (see the module docstring).
+def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU, groups: list | None = None) -> Estimate:
+    """The estimate of one rollout for the command ``args`` (see the module docstring); ``groups``: the run's
+    (default: as the flags lay them out).
 
     Raises:
         ValueError: for a family without :class:`~miles.models.capabilities.MemoryLayout`, or a config it cannot
@@ -110,7 +111,7 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Esti
     recompute = 1 if args.gradient_checkpointing else 0
     phases = [
         (who, phase.phase, (phase.forwards + (2 + recompute) * phase.backwards) * phase.batch * fwd)
-        for who, phase in work_per_rank(args)
+        for who, phase in work_per_rank(args, groups)
     ]
     device, peak, _ = assumed_gpu()
     dtype = resolve_dtype(args.train_dtype)
@@ -118,10 +119,10 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU) -> Esti
     return Estimate(fwd, params, image_tokens, text_tokens, phases, device, peak, mfu, dtype)
 
 
-def log_estimate(args: argparse.Namespace, rollouts: int) -> Estimate | None:
+def log_estimate(args: argparse.Namespace, rollouts: int, groups: list | None = None) -> Estimate | None:
     """Log the estimate of one rollout and of ``rollouts`` of them (None, with a note, when it cannot be made)."""
     try:
-        found = estimate_rollout(args)
+        found = estimate_rollout(args, groups=groups)
     # A family of one's own whose count fails on the meta device must not fail the dry run's other checks.
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
         logger.info("time estimate: none (%s: %s)", type(exc).__name__, exc)

@@ -13,16 +13,16 @@ decoded samples, ``health/eval_diversity`` (the spread across the seeds of each 
 import logging
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from miles.config import hook_name
 from miles.rollout.data_source import make_prompt_shard, read_jsonl_records
 from miles.rollout.engine import data_base_dir
 from miles.utils.health import eval_health_figures
-from miles.utils.misc import load_function
 from miles.utils.types import PromptShard
 
 __all__ = [
@@ -78,7 +78,7 @@ def load_eval_records(args) -> list[dict]:
     path = args.eval_prompt_data or args.prompt_data
     flag = "--eval-prompt-data" if args.eval_prompt_data else "--prompt-data"
     records = read_jsonl_records(path, args.input_key, flag)
-    records = [records[i] for i in eval_prompt_indices(len(records), getattr(args, "eval_max_prompts", None))]
+    records = [records[i] for i in eval_prompt_indices(len(records), args.eval_max_prompts)]
     return [record for record in records for _ in range(args.eval_n_samples_per_prompt)]
 
 
@@ -121,15 +121,15 @@ def _grid_images_of(pixels: np.ndarray) -> np.ndarray:
     return np.stack(shrunk).reshape(len(pixels), size[1], size[0], -1)
 
 
-def _run_hook(args, images, records: list[dict], rollout_id: int) -> dict[str, Any]:
-    """Call ``--eval-function-path`` and check that it returned ``{name: number}``.
+def _run_hook(hook: Callable, args, images, records: list[dict], rollout_id: int) -> dict[str, Any]:
+    """Call the eval hook (``--eval-function-path``, imported once by the driver) and check that it returned
+    ``{name: number}``.
 
     Raises:
         EvalHookError: naming the hook and the rollout, for an exception (its traceback in ``details``) or a
             result that is not a dict of numbers.
     """
-    path = args.eval_function_path
-    hook = load_function(path)
+    path = hook_name(hook)
     try:
         result = hook(args, images, records, rollout_id)
     except Exception as exc:  # noqa: BLE001 - the user's hook: report it on one line, its traceback below
@@ -160,7 +160,9 @@ def eval_shard(args, records: list[dict]) -> PromptShard:
     )
 
 
-def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | None = None) -> dict[str, Any]:
+def maybe_evaluate(
+    args, rollout_id: int, sampler: Any, tracker, groups: dict | None = None, eval_hook: Callable | None = None
+) -> dict[str, Any]:
     """Every ``--eval-interval`` rollouts: sample the eval prompts with the current student, score them with
     ``--eval-function-path`` and log the figures as ``eval/<name>``.
 
@@ -174,6 +176,8 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | 
     Args:
         sampler: the actor group or the engine group (anything with ``evaluate(shard) -> uint8 (B, H, W, C)``).
         groups: ``{role: RayTrainGroup}``, or None for no method media.
+        eval_hook: ``--eval-function-path``'s ``fn(args, images, records, rollout_id)`` (``RunSpec.eval_hook``), or
+            None for none.
 
     Returns:
         The logged metrics (``{}`` when this rollout does not evaluate): the hook's and the method's ``eval/*``
@@ -192,8 +196,10 @@ def maybe_evaluate(args, rollout_id: int, sampler: Any, tracker, groups: dict | 
     grid = eval_grid_path(args, rollout_id)
     grid.unlink(missing_ok=True)  # a resumed run's earlier grid must not stand in for this one
     metrics = {}
-    if args.eval_function_path:
-        metrics = {f"eval/{key}": value for key, value in _run_hook(args, images, records, rollout_id).items()}
+    if eval_hook is not None:
+        metrics = {
+            f"eval/{key}": value for key, value in _run_hook(eval_hook, args, images, records, rollout_id).items()
+        }
     # The decoded samples' own collapse figures, whatever the hook measures (one prompt's images are its seeds).
     metrics.update(eval_health_figures(images, [str(record[args.input_key]) for record in records]))
     if not grid.exists():

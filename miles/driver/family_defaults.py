@@ -14,19 +14,18 @@ kept in ``args.negative_prompt_origin`` (the dry run's plan, the log line of the
 
 import argparse
 
-__all__ = ["DEFAULT_FLOW_SHIFT", "FLOW_SHIFT_FLAGS", "fill_flow_shifts", "fill_negative_prompt"]
+__all__ = ["DEFAULT_FLOW_SHIFT", "fill_flow_shifts", "fill_negative_prompt"]
 
 DEFAULT_FLOW_SHIFT = 3.0
-FLOW_SHIFT_FLAGS = ("diffusion_flow_shift", "fsdp_flow_shift")
 
 
 def _family_shift(args: argparse.Namespace, num_steps: int | None) -> tuple[float, str]:
     """``(shift, where it came from)`` for an unset flag (``num_steps``: the step count it samples with, if any)."""
     from miles.models import get_model_family
 
-    path = getattr(args, "hf_checkpoint", None)
+    path = args.hf_checkpoint
     try:
-        family = get_model_family(path, getattr(args, "diffusion_model_family", None))
+        family = get_model_family(path, args.diffusion_model_family)
         shift = family.flow_shift(path, num_steps=num_steps)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return DEFAULT_FLOW_SHIFT, f"the default (the pipeline {path} could not be read here: {exc})"
@@ -35,33 +34,33 @@ def _family_shift(args: argparse.Namespace, num_steps: int | None) -> tuple[floa
     return float(shift), f"the {family.name} family's (its stock pipeline's shift at {path}'s resolution)"
 
 
+def _shift(args: argparse.Namespace, value: float | None, num_steps: int | None) -> tuple[float, str]:
+    """A flow-shift flag's value and the dry run's line on it: as set, or the family's for ``num_steps``."""
+    if value is not None:
+        return value, f"{value:g}: set on the command line"
+    shift, source = _family_shift(args, num_steps)
+    return shift, f"{shift:g}: {source}"
+
+
 def fill_flow_shifts(args: argparse.Namespace) -> None:
     """Set each unset flow-shift flag to the family's shift (module docstring), in place, and record
     ``args.flow_shift_origin``: ``{"--diffusion-flow-shift": "3 (the default ...)", ...}``."""
-    origin = {}
-    for dest in FLOW_SHIFT_FLAGS:
-        flag = "--" + dest.replace("_", "-")
-        if getattr(args, dest, None) is None:
-            num_steps = getattr(args, "diffusion_num_steps", None) if dest == "diffusion_flow_shift" else None
-            shift, source = _family_shift(args, num_steps)
-            setattr(args, dest, shift)
-            origin[flag] = f"{shift:g}: {source}"
-        else:
-            origin[flag] = f"{getattr(args, dest):g}: set on the command line"
-    args.flow_shift_origin = origin
+    args.diffusion_flow_shift, engine = _shift(args, args.diffusion_flow_shift, args.diffusion_num_steps)
+    args.fsdp_flow_shift, trainer = _shift(args, args.fsdp_flow_shift, None)
+    args.flow_shift_origin = {"--diffusion-flow-shift": engine, "--fsdp-flow-shift": trainer}
 
 
 def fill_negative_prompt(args: argparse.Namespace) -> None:
     """Set an unset ``--negative-prompt`` to the student pipeline's family's stock negative prompt (``""`` where the
     pipeline cannot be read here), in place, and record ``args.negative_prompt_origin``."""
-    if getattr(args, "negative_prompt", None) is not None:
+    if args.negative_prompt is not None:
         args.negative_prompt_origin = "set on the command line"
         return
     from miles.models import get_model_family
 
-    path = getattr(args, "hf_checkpoint", None)
+    path = args.hf_checkpoint
     try:
-        family = get_model_family(path, getattr(args, "diffusion_model_family", None))
+        family = get_model_family(path, args.diffusion_model_family)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         args.negative_prompt = ""
         args.negative_prompt_origin = f"the default (the pipeline {path} could not be read here: {exc})"

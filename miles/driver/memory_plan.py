@@ -349,31 +349,27 @@ def format_count(count: int) -> str:
     return str(count)
 
 
-def _group_lora(group_args) -> LoraSpec | None:
-    from miles.models.lora import lora_settings
-
-    settings = lora_settings(group_args)
-    return None if settings is None else LoraSpec(settings.rank, settings.target_modules)
-
-
-def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting, list[GroupMemory]]:
+def plan_run(
+    args, lora: dict[str, LoraSpec] | None = None, groups: list | None = None
+) -> tuple[PlanSetting, list[GroupMemory]]:
     """The plan of a parsed command: every trainer group of its method, on DP rank 0.
 
     Args:
         lora: a LoRA adapter per role (``{"actor": ..., "critic": ...}``, a missing role trains full weights); None
-            reads each group's ``--lora-*`` flags (``--critic-lora-*`` for the critic).
+            takes each group's own (its spec's, from ``--lora-*``, ``--critic-lora-*`` for the critic).
+        groups: the run's groups (``RunSpec.groups``: the user's module builder included); default: as the flags
+            lay them out (:func:`miles.driver.validators.group_layout`).
 
     Raises:
         FileNotFoundError, ValueError: for a pipeline without a readable transformer config, or one the planner
             cannot lay out.
     """
     from miles.backends.fsdp_utils.model import resolve_dtype
-    from miles.methods import compute_trainer_configs, get_method
+    from miles.driver.validators import group_layout
+    from miles.methods import get_method
     from miles.models import get_model_family, require
     from miles.models.base import DENOISER
     from miles.models.memory import transformer_config
-    from miles.utils.misc import load_function
-    from miles.utils.trainer_config import compute_trainer_args, trains
     from miles.utils.validation import dp_size
 
     method = get_method(args)
@@ -392,25 +388,27 @@ def plan_run(args, lora: dict[str, LoraSpec] | None = None) -> tuple[PlanSetting
         family=family,
     )
     plans = []
-    for trainer in compute_trainer_configs(args):
-        group_args = compute_trainer_args(args, trainer)
-        if not trains(group_args):
+    for group in group_layout(args) if groups is None else groups:
+        if not group.trains:
             continue  # a frozen group (the DMD2 reward group) holds no denoiser; its hook's model is not planned
         build_extra = None
-        if group_args.custom_build_modules_path:
-            builder = load_function(group_args.custom_build_modules_path)
+        if group.hooks.build_modules is not None:
 
-            def build_extra(model, builder=builder, group_args=group_args):
-                return builder(group_args, {DENOISER: model})
+            def build_extra(model, builder=group.hooks.build_modules):
+                return builder(args, {DENOISER: model})
 
+        if lora is not None:
+            adapter = lora.get(group.role)
+        else:
+            adapter = None if group.lora is None else LoraSpec(group.lora.rank, group.lora.target_modules)
         spec = GroupSpec(
-            role=trainer.role,
-            config=transformer_config(group_args.hf_checkpoint),
-            teacher=transformer_config(group_args.teacher_load) if group_args.teacher_load else None,
-            lora=_group_lora(group_args) if lora is None else lora.get(trainer.role),
+            role=group.role,
+            config=transformer_config(group.init),
+            teacher=transformer_config(group.teacher) if group.teacher else None,
+            lora=adapter,
             build_extra=build_extra,
-            ema=bool(group_args.ema_decay),
-            batch=method.train_forward_batch(group_args),
+            ema=group.ema is not None,
+            batch=method.train_forward_batch(args, group),
         )
         plans.append(plan_group(spec, setting))
     return setting, plans
@@ -510,10 +508,10 @@ def host_memory_line(plans: list[GroupMemory], ranks_per_node: int) -> str | Non
     )
 
 
-def log_memory_plan(args) -> None:
+def log_memory_plan(args, groups: list | None = None) -> None:
     """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
     try:
-        setting, plans = plan_run(args)
+        setting, plans = plan_run(args, groups=groups)
     # A family without a memory layout, or a config it cannot lay out, must not fail the dry run's checks.
     except (AttributeError, NotImplementedError, OSError, KeyError, ValueError) as exc:
         logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
@@ -559,10 +557,8 @@ def _encoded_at_run_time(args) -> str | None:
     files = [("--prompt-data", args.prompt_data)]
     if args.eval_interval and args.eval_prompt_data:
         files.append(("--eval-prompt-data", args.eval_prompt_data))
-    files += [(side.flag, side.path) for side in get_method(args).side_inputs(args)]
-    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)  # a DMD2 flag, read at evaluations only
-    if args.eval_interval and eval_real_data:
-        files.append(("--dmd2-gan-eval-real-data", eval_real_data))
+    method = get_method(args)
+    files += [(side.flag, side.path) for side in [*method.side_inputs(args), *method.eval_data(args)]]
     for flag, path in files:
         for number, record in enumerate(read_jsonl_records(path, args.input_key, flag), start=1):
             if not isinstance(record.get(args.cond_key), str):

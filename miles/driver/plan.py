@@ -1,6 +1,6 @@
 """``--dry-run``: what a command would run, printed without starting Ray.
 
-The placement, the trainer groups as a table with each group's overrides, each DP rank's work per rollout (denoiser
+The placement, the trainer groups as a table with each group's hooks, each DP rank's work per rollout (denoiser
 forwards and backwards for the rollout, every group's optimizer steps and its train-output hook, DMD2's scoring, so
 a user sees every phase divided by the DP size), the schedule, the evaluation, the time estimate of
 :mod:`miles.driver.estimate` and the memory plan of :mod:`miles.driver.memory_plan`. Everything a real run checks
@@ -11,15 +11,16 @@ import logging
 
 import torch
 
+from miles.config import GroupSpec, RunSpec
 from miles.driver.estimate import log_estimate
 from miles.driver.memory_plan import log_memory_plan
+from miles.driver.validators import group_layout
 from miles.driver.work import work_per_rank
-from miles.methods import compute_trainer_configs, get_method
+from miles.methods import get_method
 from miles.utils.profiling import profile_dir
-from miles.utils.trainer_config import compute_trainer_args, trains
-from miles.utils.validation import dp_size, flag, rollout_pairs
+from miles.utils.validation import dp_size, rollout_pairs
 
-__all__ = ["LARGE_EVAL_IMAGES", "groups_table", "log_eval_plan", "log_plan", "work_per_rank"]
+__all__ = ["HOOK_FLAGS", "LARGE_EVAL_IMAGES", "groups_table", "log_eval_plan", "log_plan", "work_per_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,17 @@ logger = logging.getLogger(__name__)
 LARGE_EVAL_IMAGES = 256
 
 
-def log_plan(args) -> None:
+def log_plan(args, run: RunSpec | None = None) -> None:
     """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
-    starting Ray."""
+    starting Ray.
+
+    Args:
+        run: the run's specs (the groups with the user's hooks); default: the groups as the flags lay them out.
+    """
     from miles.driver.run_dir import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
-    configs = compute_trainer_configs(args)
+    configs = list(run.groups) if run is not None else group_layout(args)
     use_gpu = torch.cuda.is_available()
     ranks = dp_size(args)
     bundle = "{GPU: 1, CPU: c}" if use_gpu else "{CPU: c}"
@@ -57,14 +62,14 @@ def log_plan(args) -> None:
         )
     else:
         logger.info("rollout: each of the %d actor ranks generates its own shard on its student", ranks)
-    for line in groups_table(args):
+    for line in groups_table(args, configs):
         logger.info("%s", line)
-    for name, source in getattr(args, "flow_shift_origin", {}).items():
+    for name, source in args.flow_shift_origin.items():
         logger.info("flow shift: %s %s", name, source)
     for line in get_method(args).plan_lines(args):
         logger.info("%s", line)
     logger.info("work per DP rank per rollout (DP size %d, %d pairs per rank):", ranks, rollout_pairs(args) // ranks)
-    for who, phase in work_per_rank(args):
+    for who, phase in work_per_rank(args, configs):
         logger.info(
             "  %-16s %-24s forwards %5d  backwards %5d  batch %d",
             who,
@@ -87,8 +92,8 @@ def log_plan(args) -> None:
         first, end = args.profile_rollouts[0], min(args.profile_rollouts[1], args.num_rollout)
         logger.info("profile: rollouts %d..%d on every rank, traces in %s", first, end - 1, profile_dir(args))
     log_eval_plan(args)
-    log_estimate(args, args.num_rollout - start)
-    log_memory_plan(args)
+    log_estimate(args, args.num_rollout - start, configs)
+    log_memory_plan(args, configs)
 
 
 def _short_list(values: list[int], shown: int = 8) -> str:
@@ -103,35 +108,60 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 
 
-def groups_table(args) -> list[str]:
+# The flags that name a group's hooks for the actor: how the dry run labels each group's hooks.
+HOOK_FLAGS = {
+    "prepare": "--custom-prepare-train-batch-path",
+    "loss": "--custom-loss-function-path",
+    "train_input": "--custom-train-input-function-path",
+    "train_output": "--custom-train-output-function-path",
+    "build_modules": "--custom-build-modules-path",
+    "trainer": "--custom-trainer-path",
+}
+
+
+def _group_settings(group: GroupSpec) -> list[list[str]]:
+    """A group's hooks and the settings beside the table's, each ``[flag, value]`` (labelled by the flag that sets
+    it for the actor)."""
+    rows = [[HOOK_FLAGS[name], value] for name, value in group.hooks.names().items()]
+    if group.lora is not None:
+        rows += [["--lora-rank", str(group.lora.rank)], ["--lora-alpha", f"{group.lora.alpha:g}"]]
+    if group.ema is not None:
+        rows.append(["--ema-decay", f"{group.ema.decay:g}"])
+    if group.train_output_before_step is not None:
+        rows.append(["--train-output-before-step", str(group.train_output_before_step)])
+    return rows
+
+
+def groups_table(args, groups: list[GroupSpec] | None = None) -> list[str]:
     """The trainer groups as a table, in training order: init, teacher, learning rate, optimizer steps per rollout,
-    save and load directories; then each group's overrides of the command's flags, one per line (``--flag value``;
-    hooks by their dotted path)."""
-    configs = compute_trainer_configs(args)
+    save and load directories; then each group's hooks (by name) and its LoRA, EMA and scoring step, one per line
+    (``--flag value``, labelled by the flag that sets it for the actor).
+
+    Args:
+        groups: the run's groups; default: as the flags lay them out (the method's hooks, no user hook imported).
+    """
+    groups = group_layout(args) if groups is None else groups
     rows = [["group", "init", "teacher", "lr", "steps/rollout", "save", "load"]]  # "-": none
-    for config in configs:
-        group = compute_trainer_args(args, config)
+    for group in groups:
         rows.append(
             [
-                config.role,
-                str(group.hf_checkpoint),
-                str(group.teacher_load or "-"),
-                f"{group.lr:g}" if trains(group) else "-",  # a frozen group (the reward's) takes no step
-                str(group.num_steps_per_rollout),
-                str(group.save or "-"),
-                str(group.load or "-"),
+                group.role,
+                str(group.init or "-"),
+                str(group.teacher or "-"),
+                f"{group.optimizer.lr:g}" if group.trains else "-",  # a frozen group (the reward's) takes no step
+                str(group.steps_per_rollout),
+                str(group.checkpoint.save or "-"),
+                str(group.checkpoint.load or "-"),
             ]
         )
-    lines = [f"trainer groups ({len(configs)}, in training order):", *_table(rows)]
-    for config in configs:
-        if not config.overrides:
-            lines.append(f"  group {config.role}: no overrides (the command's flags as given)")
+    lines = [f"trainer groups ({len(groups)}, in training order):", *_table(rows)]
+    for group in groups:
+        settings = _group_settings(group)
+        if not settings:
+            lines.append(f"  group {group.role}: no hooks of its own (the user's)")
             continue
-        lines.append(f"  group {config.role} overrides (- = unset):")
-        override_rows = [
-            [flag(name), "-" if value is None else str(value)] for name, value in config.overrides.items()
-        ]
-        lines += ["  " + line for line in _table(override_rows)]
+        lines.append(f"  group {group.role}:")
+        lines += ["  " + line for line in _table(settings)]
     return lines
 
 

@@ -10,23 +10,10 @@ import argparse
 import os
 from pathlib import Path
 
+from miles.config import UserHooks
 from miles.utils.validation import reject
 
-__all__ = ["HOOK_FLAGS", "validate_inputs"]
-
-
-HOOK_FLAGS = (
-    "custom_expand_samples_to_train_pairs_path",
-    "custom_train_input_function_path",
-    "custom_prepare_train_batch_path",
-    "custom_loss_function_path",
-    "custom_train_output_function_path",
-    "custom_build_modules_path",
-    "custom_trainer_path",
-    "diffusion_step_strategy_path",
-    "dmd2_reward_function_path",
-    "eval_function_path",
-)
+__all__ = ["validate_inputs"]
 
 
 def _check_pipeline(flag: str, path: str, family_override: str | None) -> None:
@@ -131,7 +118,7 @@ def _check_negative_cond(path: str) -> None:
         reject(f"--negative-cond {path} is not a readable safetensors file ({exc})")
 
 
-def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
+def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserHooks:
     """Checks that read the filesystem or import code, run by the driver before Ray starts, so that a typo fails in
     seconds on one line instead of inside a Ray worker (or, for ``--eval-function-path``, after the training).
 
@@ -157,14 +144,16 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     ``parse_args`` does not run these; the driver runs them all, in a ``--dry-run`` too (``check_paths=False`` leaves
     out the data, pipeline and output checks, for tests of the rest).
 
+    Returns:
+        The user's hooks, imported once (:func:`miles.driver.specs.resolve_hooks`): the driver builds the run's
+        specs from them.
+
     Raises:
         ArgumentValidationError: at the first failed check; the message names the flag and the path.
     """
-    from miles.methods import compute_trainer_configs
-    from miles.utils.misc import load_function
-    from miles.utils.trainer_config import compute_trainer_args
+    from miles.driver.specs import resolve_hooks
+    from miles.driver.validators import group_layout
 
-    group_args = [compute_trainer_args(args, config) for config in compute_trainer_configs(args)]
     if args.diffusion_model_family:
         from miles.models import family_class
 
@@ -172,22 +161,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
             family_class(args.diffusion_model_family)
         except ValueError as exc:
             reject(str(exc))
-    for name in HOOK_FLAGS:
-        if getattr(args, name, None) == "":
-            # An empty value would otherwise fall back to nothing, or to the method's hook, silently.
-            reject(f"--{name.replace('_', '-')} is empty; pass a dotted path 'package.module.function' or drop it")
-        for path in dict.fromkeys(getattr(each, name, None) for each in [args, *group_args]):
-            if path:
-                try:
-                    load_function(path)
-                except ValueError as exc:
-                    reject(f"--{name.replace('_', '-')}: {exc}")
+    hooks = resolve_hooks(args)
     if args.load:
         from miles.driver.preflight_checkpoint import check_load
 
-        check_load(args, group_args)
+        check_load(args, group_layout(args))
     if not check_paths:
-        return
+        return hooks
     from miles.driver import preflight_models, preflight_outputs
     from miles.methods import get_method
 
@@ -224,11 +204,10 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     for side in side_inputs:
         side_records = _check_real_data(args, side.flag, side.path)
         check_record_files(args, side.flag, side.path, side_records, shape)
-    # The GAN's held-out reals, read at evaluations only (not a side input: no record per sample).
-    eval_real_data = getattr(args, "dmd2_gan_eval_real_data", None)
-    if side_inputs and args.eval_interval and eval_real_data:
-        eval_real_records = _check_real_data(args, "--dmd2-gan-eval-real-data", eval_real_data)
-        check_record_files(args, "--dmd2-gan-eval-real-data", eval_real_data, eval_real_records, shape)
+    # Files read at evaluations only (the GAN's held-out reals: not a side input, no record per sample).
+    for data in get_method(args).eval_data(args):
+        eval_real_records = _check_real_data(args, data.flag, data.path)
+        check_record_files(args, data.flag, data.path, eval_real_records, shape)
     if args.negative_cond:
         _check_negative_cond(args.negative_cond)
     get_method(args).check_inputs(args)
@@ -238,3 +217,4 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> None:
     preflight_outputs.check_writable(args)
     preflight_outputs.check_save_dirs(args)
     preflight_outputs.check_disk_space(args)
+    return hooks

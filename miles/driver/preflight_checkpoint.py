@@ -11,6 +11,7 @@ import argparse
 import math
 from pathlib import Path
 
+from miles.config import GroupSpec
 from miles.utils.validation import reject
 
 __all__ = ["check_load"]
@@ -61,7 +62,7 @@ def _earlier_complete(dirs: list[str], before: float) -> int | None:
     return max(earlier, default=None)
 
 
-def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -> None:
+def check_load(args: argparse.Namespace, groups: list[GroupSpec]) -> None:
     """``--load`` holds a commit (``latest``) of this command's loss type, complete and readable in every group's
     directory, with a rollout left to train below ``--num-rollout``.
 
@@ -72,7 +73,8 @@ def check_load(args: argparse.Namespace, group_args: list[argparse.Namespace]) -
     from miles.driver.resume import check_resume
     from miles.driver.run_dir import read_data_state, read_latest, resume_rollout
 
-    load_dirs = [args.load] + [each.load for each in group_args if each.load and each.load != args.load]
+    loads = [group.checkpoint.load for group in groups]
+    load_dirs = [args.load] + [load for load in loads if load and load != args.load]
     latest = None
     try:
         latest = read_latest(args.load)

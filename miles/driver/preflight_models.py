@@ -173,12 +173,11 @@ def check_guidance(args: argparse.Namespace) -> None:
     Raises:
         ArgumentValidationError: one line naming the flag, its value, the pipeline and its limit.
     """
+    from miles.methods import get_method
     from miles.models import get_model_family
 
     checks = [("--diffusion-guidance-scale", args.diffusion_guidance_scale, "--hf-checkpoint", args.hf_checkpoint)]
-    teacher_scale = getattr(args, "dmd2_teacher_guidance_scale", None)
-    if teacher_scale is not None and args.teacher_load:
-        checks.append(("--dmd2-teacher-guidance-scale", teacher_scale, "--teacher-load", args.teacher_load))
+    checks += get_method(args).guided_pipelines(args)
     for scale_flag, scale, path_flag, path in checks:
         family = get_model_family(path, args.diffusion_model_family)
         limit = family.max_guidance_scale(path)

@@ -24,13 +24,6 @@ logger = logging.getLogger(__name__)
 MB = 1 << 20
 
 
-def _group_args(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
-    from miles.methods import compute_trainer_configs
-    from miles.utils.trainer_config import compute_trainer_args
-
-    return [(config.role, compute_trainer_args(args, config)) for config in compute_trainer_configs(args)]
-
-
 def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(flag, path)`` of every directory the run writes: each group's ``--save``, ``--output-dir``, where
     ``--save-hf`` goes, and ``--profile-dir`` when traces are asked for."""
@@ -87,10 +80,13 @@ def check_save_dirs(args: argparse.Namespace) -> None:
     resuming = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
     if resuming:
         return
-    for role, group in _group_args(args):
-        if not group.save:
+    from miles.driver.validators import group_layout
+
+    for group in group_layout(args):
+        role, save = group.role, group.checkpoint.save
+        if not save:
             continue  # a frozen group (the DMD2 reward group) saves nothing
-        entries = [name for name in checkpoint_entries(group.save) if not name.startswith(".")]
+        entries = [name for name in checkpoint_entries(save) if not name.startswith(".")]
         if not entries:
             continue
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
@@ -98,7 +94,7 @@ def check_save_dirs(args: argparse.Namespace) -> None:
         has_commit = os.path.isfile(os.path.join(args.save, LATEST_FILE))
         if has_commit:
             fix = f"resume it with --load {args.save}, or add --overwrite-save to remove them"
-        elif role == "actor" and not os.path.isfile(os.path.join(group.save, LATEST_FILE)):
+        elif role == "actor" and not os.path.isfile(os.path.join(save, LATEST_FILE)):
             # Another run's commit may live elsewhere: a directory X_critic holds the critic group of run X.
             fix = (
                 "they may be another group's checkpoints of a run whose commit lives in a sibling directory (X_critic "
@@ -106,7 +102,7 @@ def check_save_dirs(args: argparse.Namespace) -> None:
             )
         else:
             fix = "add --overwrite-save to remove them (none is committed, so there is nothing to resume)"
-        reject(f"{where} {group.save} holds checkpoints of another run ({shown}); {fix}, or pick a new --save")
+        reject(f"{where} {save} holds checkpoints of another run ({shown}); {fix}, or pick a new --save")
 
 
 def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
@@ -137,13 +133,15 @@ def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
             if args.save_keep_every:
                 spared = sum(1 for r in range(start, args.num_rollout) if (r + 1) % args.save_keep_every == 0)
             kept = min(saves, args.save_keep_last + 1 + spared)
-        for role, group in _group_args(args):
-            if not group.save:
+        from miles.driver.validators import group_layout
+
+        for group in group_layout(args):
+            if not group.checkpoint.save:
                 continue
-            copies = 3 + (1 if getattr(group, "ema_decay", None) else 0)
-            size = int(denoiser_numel(group.hf_checkpoint) * 4 * copies * 1.05)
-            where = "--save" if role == "actor" else f"the {role} group's --save"
-            add(where, group.save, size, size * kept)
+            copies = 3 + (1 if group.ema is not None else 0)
+            size = int(denoiser_numel(group.init) * 4 * copies * 1.05)
+            where = "--save" if group.role == "actor" else f"the {group.role} group's --save"
+            add(where, group.checkpoint.save, size, size * kept)
     if args.save_hf:
         size = denoiser_numel(args.hf_checkpoint) * 4
         same_fs = os.stat(nearest_existing(args.save_hf)).st_dev == os.stat(args.hf_checkpoint).st_dev

@@ -7,7 +7,7 @@ the best evaluation so far. A resume (``--load``) reads the record of the commit
 - refuses another method's checkpoint before Ray starts (an ``sft_loss`` run would otherwise load a DMD2 student,
   its optimizer and a data cursor of another file, without a word);
 - lists, on one line, the settings this command changes; the trainer applies them after loading
-  (``miles.backends.fsdp_utils.optimizer.apply_optimizer_args``);
+  (``miles.backends.fsdp_utils.optimizer.apply_optimizer_spec``);
 - continues the same wandb run (its id is in the record);
 - continues ``--keep-best`` from the best value the record names (:mod:`miles.driver.keep_best`).
 
@@ -26,11 +26,11 @@ from miles.methods import get_method
 from miles.utils.validation import flag, reject
 
 __all__ = [
-    "RESUMABLE_SETTINGS",
     "RUN_RECORD",
     "changed_settings",
     "check_resume",
     "read_run_record",
+    "resumable_settings",
     "resumed_line",
     "run_record",
     "write_run_record",
@@ -38,20 +38,24 @@ __all__ = [
 
 RUN_RECORD = "run.json"
 FORMAT = 1
-# Flags a resume may change: the trainer applies the new value after loading the checkpoint.
-RESUMABLE_SETTINGS = (
-    "lr",
-    "critic_lr",
-    "min_lr",
-    "lr_warmup_steps",
-    "lr_decay_style",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "weight_decay",
-    "clip_grad",
-    "num_rollout",
-)
+
+
+def resumable_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags a resume may change, by dest (the trainer applies the new values after loading the checkpoint):
+    the optimizers' and schedules' settings and the run's length."""
+    return {
+        "lr": args.lr,
+        "critic_lr": args.critic_lr,
+        "min_lr": args.min_lr,
+        "lr_warmup_steps": args.lr_warmup_steps,
+        "lr_decay_style": args.lr_decay_style,
+        "adam_beta1": args.adam_beta1,
+        "adam_beta2": args.adam_beta2,
+        "adam_eps": args.adam_eps,
+        "weight_decay": args.weight_decay,
+        "clip_grad": args.clip_grad,
+        "num_rollout": args.num_rollout,
+    }
 
 
 def run_record(
@@ -60,7 +64,7 @@ def run_record(
     """The record a save of ``rollout_id`` commits: ``{"format", "rollout_id", "method", "settings": {dest: value},
     "wandb_run_id"}`` (``method``: the ``--loss-type``), and with ``--keep-best`` ``"keep_best"``: the best
     evaluation so far (:meth:`miles.driver.keep_best.KeepBest.state`)."""
-    settings = {dest: getattr(args, dest) for dest in RESUMABLE_SETTINGS if hasattr(args, dest)}
+    settings = resumable_settings(args)
     record = {
         "format": FORMAT,
         "rollout_id": rollout_id,
@@ -128,7 +132,9 @@ def check_resume(args: argparse.Namespace, rollout_id: int) -> dict[str, Any] | 
                 "exported pipeline (--hf-checkpoint) with a new --save"
             )
         return record
-    roles = {config.role for config in get_method(args).trainer_configs(args)}
+    from miles.driver.validators import group_layout
+
+    roles = {group.role for group in group_layout(args)}
     for sibling, role in _sibling_groups(args.load, rollout_id):
         if role not in roles:
             reject(
@@ -159,11 +165,8 @@ def changed_settings(args: argparse.Namespace, record: dict[str, Any] | None) ->
     if not record:
         return []
     saved = record.get("settings") or {}
-    return [
-        (flag(dest), saved[dest], getattr(args, dest))
-        for dest in RESUMABLE_SETTINGS
-        if dest in saved and hasattr(args, dest) and saved[dest] != getattr(args, dest)
-    ]
+    now = resumable_settings(args)
+    return [(flag(dest), saved[dest], value) for dest, value in now.items() if dest in saved and saved[dest] != value]
 
 
 def resumed_line(args: argparse.Namespace, start: int, roles: list[str], record: dict[str, Any] | None) -> list[str]:

@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from miles.config import GroupSpec, UserHooks
 from miles.driver.cluster import check_ray_address
 from miles.methods import METHODS, get_method
 from miles.utils.paths import check_export_target
@@ -17,6 +18,7 @@ from miles.utils.validation import check_number, dp_size, flag, reject, rollout_
 
 __all__ = [
     "NUMBER_RULES",
+    "group_layout",
     "group_paths",
     "method_flag_dests",
     "run_paths",
@@ -100,7 +102,7 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--hf-checkpoint is required (the student pipeline directory)")
     if not args.prompt_data:
         reject("--prompt-data is required (a JSONL file of prompts, with images for --train-only)")
-    if args.custom_expand_samples_to_train_pairs_path is None:
+    if args.custom_expand_samples_to_train_pairs_path is None and get_method(args).converter(args) is None:
         reject(f"--loss-type {args.loss_type} needs --custom-expand-samples-to-train-pairs-path (the converter)")
     validate_method_flags(args)
     validate_batch_args(args)
@@ -135,12 +137,11 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
-        from miles.utils.trainer_config import compute_trainer_args
-
-        groups = [
-            (config.role, compute_trainer_args(args, config)) for config in get_method(args).trainer_configs(args)
-        ]
-        loads = {os.path.realpath(group.load): role for role, group in groups if group.load}
+        loads = {
+            os.path.realpath(group.checkpoint.load): group.role
+            for group in group_layout(args)
+            if group.checkpoint.load
+        }
         for name, path in group_paths(args, ("save",)):
             role = loads.get(os.path.realpath(path))
             if role is not None:
@@ -186,7 +187,7 @@ def validate_keep_best(args: argparse.Namespace) -> None:
 def validate_lora_args(args: argparse.Namespace) -> None:
     """The student's ``--lora-*`` flags (:func:`miles.models.lora.check_lora_flags`); a LoRA flag without
     ``--lora-rank`` is rejected, as it would change nothing."""
-    from miles.models.lora import check_lora_flags
+    from miles.models.lora import LoraFlags, check_lora_flags
 
     if not args.lora_rank:
         for name, value, default in (
@@ -196,7 +197,11 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         ):
             if value != default:
                 reject(f"{name} is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank")
-    check_lora_flags("--", args, args.hf_checkpoint)
+    check_lora_flags(
+        "--",
+        LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout),
+        args.hf_checkpoint,
+    )
     if args.save_hf_lora and not (args.save_hf and args.lora_rank):
         reject("--save-hf-lora writes the student's adapter beside --save-hf: it needs --save-hf and --lora-rank")
     if args.lora_rank and args.rollout_num_gpus:
@@ -206,32 +211,30 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         )
 
 
+def group_layout(args: argparse.Namespace) -> list[GroupSpec]:
+    """The run's trainer groups as the flags lay them out (the method's :meth:`~miles.methods.base.Method.groups`
+    with the method's own hooks only: no user hook path is imported here), for their paths and sizes."""
+    return get_method(args).groups(args, UserHooks())
+
+
+# The spec's path of each generic path flag (the dests group_paths takes).
+_PATHS = {"hf_checkpoint": "init", "teacher_load": "teacher", "load": "load", "save": "save"}
+
+
 def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:
     """``(flag, path)`` of the paths ``dests`` name over all trainer groups, each path once, the actor's first
-    where groups share one. A group's own value is labelled by the flag that set it: the critic's init is
-    ``--critic-load``, its save directory "the critic group's --save"."""
-    from miles.utils.trainer_config import compute_trainer_args
-
-    method_dests = method_flag_dests().get(args.loss_type, set())
-    configs = sorted(get_method(args).trainer_configs(args), key=lambda config: config.role != "actor")
+    where groups share one. Each is labelled as its group's spec names it (:meth:`GroupSpec.path_label`): the
+    critic's init is ``--critic-load`` (or the ``--teacher-load`` it defaults to), its save directory "the critic
+    group's --save"."""
+    groups = sorted(group_layout(args), key=lambda group: group.role != "actor")
     paths, seen = [], set()
-    for config in configs:
-        group_args = compute_trainer_args(args, config)
+    for group in groups:
         for dest in dests:
-            value = getattr(group_args, dest, None)
+            value = group.paths()[_PATHS[dest]]
             if not value or os.path.realpath(value) in seen:
                 continue
             seen.add(os.path.realpath(value))
-            if config.role == "actor" or getattr(args, dest, None) == value:
-                label = flag(dest)
-            else:
-                # The flag the user set it with: a generic one first (the critic's default init is --teacher-load),
-                # then the method's own (--critic-load).
-                candidates = [name for name in ("hf_checkpoint", "teacher_load", "load", "save")]
-                candidates += sorted(method_dests)
-                own = [name for name in candidates if getattr(args, name, None) == value]
-                label = flag(own[0]) if own else f"the {config.role} group's {flag(dest)}"
-            paths.append((label, value))
+            paths.append((group.path_label(_PATHS[dest]), value))
     return paths
 
 
@@ -239,17 +242,12 @@ def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
     trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
     method's ``--critic-load``)."""
-    from miles.utils.trainer_config import compute_trainer_args
-
     paths = []
-    for config in get_method(args).trainer_configs(args):
-        group_args = compute_trainer_args(args, config)
-        for dest in ("hf_checkpoint", "teacher_load", "load", "save"):
-            value = getattr(group_args, dest, None)
+    for group in group_layout(args):
+        for name, value in group.paths().items():
             if value:
-                paths.append(
-                    (flag(dest) if config.role == "actor" else f"the {config.role} group's {flag(dest)}", value)
-                )
+                generic = GroupSpec.PATH_FLAGS[name]
+                paths.append((generic if group.role == "actor" else f"the {group.role} group's {generic}", value))
     if args.output_dir:
         paths.append(("--output-dir", args.output_dir))
     return paths

@@ -1,20 +1,29 @@
 """The loss types (``--loss-type``): one module per method declares its flags, defaults, validation and groups.
 
 ``METHODS`` maps each ``--loss-type`` value to its :class:`~miles.methods.base.Method`; the argument module and the
-driver look a run's method up here and never branch on the loss type themselves.
+driver look a run's method up here and never branch on the loss type themselves. A method registers itself with
+:func:`~miles.methods.base.register_method` when its module is imported: the built-in ones in the order
+``--help`` lists them, then every other module of this package, so a new method is one new file here.
 """
 
 import argparse
+import importlib
+import pkgutil
 
-from miles.methods.base import Method
-from miles.methods.custom import CustomMethod
-from miles.methods.dmd2 import DMD2Method
-from miles.methods.sft import SFTMethod
-from miles.utils.trainer_config import TrainerConfig
+from miles.methods.base import METHODS, Method, register_method
 
-__all__ = ["METHODS", "Method", "compute_trainer_configs", "get_method"]
+# The built-in methods register in the order --help lists them.
+# isort: off
+from miles.methods import sft  # noqa: F401, E402
+from miles.methods import dmd2  # noqa: F401, E402
+from miles.methods import custom  # noqa: F401, E402
 
-METHODS: dict[str, Method] = {method.name: method for method in (SFTMethod(), DMD2Method(), CustomMethod())}
+# isort: on
+
+__all__ = ["METHODS", "Method", "get_method", "register_method"]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")  # a method module of its own registers itself
 
 
 def get_method(args_or_name: argparse.Namespace | str) -> Method:
@@ -27,8 +36,3 @@ def get_method(args_or_name: argparse.Namespace | str) -> Method:
     if name not in METHODS:
         raise ValueError(f"--loss-type {name!r} is unknown; choose one of {sorted(METHODS)}")
     return METHODS[name]
-
-
-def compute_trainer_configs(args: argparse.Namespace) -> list[TrainerConfig]:
-    """The run's trainer groups in training order (seed ``[DMD2 1/10]``): the method's list."""
-    return get_method(args).trainer_configs(args)

@@ -1,57 +1,109 @@
-"""What one ``--loss-type`` declares: the ``Method`` base class, and helpers its modules share.
+"""What one ``--loss-type`` declares: the ``Method`` base class, and the spec builders its modules share.
 
-A method owns everything that makes its algorithm: its flags (an argument group), the defaults it fills (hook paths,
-what the engine must encode), its validation, its trainer groups (``TrainerConfig`` list) and what an export of its
-student records. The generic pieces (engine, trainer, driver, export) read the plain settings a method fills and
-never compare ``--loss-type`` themselves. Built-in hooks are referenced by import (:func:`hook_path`), so renaming
-one breaks at import time, not inside a Ray worker; user hooks stay dotted paths.
+A method owns everything that makes its algorithm: its flags (a settings dataclass that declares them,
+:mod:`miles.utils.flags`), the defaults it fills, its validation, its trainer groups (``groups``: one
+:class:`~miles.config.GroupSpec` each, with the hook functions themselves, built-in ones referenced by import) and
+what an export of its student records. The generic pieces (engine, trainer, driver, export) read the specs a method
+builds and never compare ``--loss-type`` themselves.
 """
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles.utils.trainer_config import TrainerConfig
+from miles.config import CheckpointSpec, EMASpec, GroupHooks, GroupSpec, OptimizerSpec, ScheduleSpec, UserHooks
+from miles.models.lora import LoraFlags
 from miles.utils.types import SideInput
 from miles.utils.validation import reject
 
-__all__ = ["Method", "PhaseWork", "fill_defaults", "hook_path", "require_teacher_consumer"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "PhaseWork",
+    "ema_spec",
+    "optimizer_spec",
+    "register_method",
+    "replace_hooks",
+    "require_teacher_consumer",
+    "schedule_spec",
+    "student_group",
+]
 
 
-def hook_path(fn: Callable) -> str:
-    """The dotted path of an imported hook function, as the ``--custom-*-path`` flags hold it."""
-    return f"{fn.__module__}.{fn.__qualname__}"
-
-
-def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
-    """Set each ``args.<name>`` that is still None to its default; a value the user set is never overwritten."""
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
-def require_teacher_consumer(args: argparse.Namespace, default_hooks: dict[str, str]) -> None:
-    """``--teacher-load`` needs a hook that reads ``ctx.teacher_models``: one the user set, not a method default.
-
-    Args:
-        default_hooks: ``{dest: path}`` the method filled (its prepare and loss hooks do not read a teacher).
-    """
+def require_teacher_consumer(args: argparse.Namespace) -> None:
+    """``--teacher-load`` needs a hook that reads ``ctx.teacher_models``: one the user set (a method's own prepare and
+    loss hooks read no teacher)."""
     if args.teacher_load is None:
         return
-    user_hooks = [
-        getattr(args, dest) not in (None, default_hooks.get(dest))
-        for dest in (
-            "custom_prepare_train_batch_path",
-            "custom_loss_function_path",
-            "custom_train_output_function_path",
-        )
-    ]
-    if not any(user_hooks):
+    user_hooks = (
+        args.custom_prepare_train_batch_path,
+        args.custom_loss_function_path,
+        args.custom_train_output_function_path,
+    )
+    if all(path is None for path in user_hooks):
         reject(
             "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
             "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
         )
+
+
+def optimizer_spec(args: argparse.Namespace, lr: float) -> OptimizerSpec:
+    """A group's AdamW at ``lr`` with the command's betas, epsilon, weight decay, clip and skip limit."""
+    return OptimizerSpec(
+        lr=lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        max_skipped_steps=args.max_skipped_steps,
+    )
+
+
+def schedule_spec(args: argparse.Namespace, steps_per_rollout: int) -> ScheduleSpec:
+    """A group's learning-rate schedule over ``--num-rollout`` rollouts of ``steps_per_rollout`` steps."""
+    return ScheduleSpec(
+        total_steps=args.num_rollout * steps_per_rollout,
+        decay_style=args.lr_decay_style,
+        warmup_steps=args.lr_warmup_steps,
+        min_lr=args.min_lr,
+    )
+
+
+def ema_spec(args: argparse.Namespace) -> EMASpec | None:
+    """The student's EMA (``--ema-decay``), or None."""
+    if not args.ema_decay:
+        return None
+    return EMASpec(
+        decay=args.ema_decay,
+        min_decay=args.ema_min_decay,
+        update_after_step=args.ema_update_after_step,
+        for_eval=args.ema_for_eval,
+    )
+
+
+def student_group(args: argparse.Namespace, hooks: GroupHooks) -> GroupSpec:
+    """The actor (student) group as the command's generic flags describe it, with ``hooks``."""
+    steps = args.num_steps_per_rollout
+    return GroupSpec(
+        role="actor",
+        hooks=hooks,
+        init=args.hf_checkpoint,
+        teacher=args.teacher_load,
+        lora=LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout).settings(),
+        optimizer=optimizer_spec(args, args.lr),
+        schedule=schedule_spec(args, steps),
+        ema=ema_spec(args),
+        checkpoint=CheckpointSpec(load=args.load, save=args.save),
+        steps_per_rollout=steps,
+        micro_batch_size=args.micro_batch_size,
+        train_output_before_step=args.train_output_before_step,
+        dtype=args.train_dtype,
+        seed=args.seed,
+        reshard_every_microbatch=args.fsdp_reshard_every_microbatch,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
 
 
 @dataclass(frozen=True)
@@ -72,7 +124,7 @@ class PhaseWork:
 
 class Method:
     """One ``--loss-type``. Subclasses override what their algorithm needs; the defaults describe plain SFT-like
-    training by one actor group."""
+    training by one actor group with the user's hooks."""
 
     name: str = ""
     description: str = ""
@@ -81,7 +133,7 @@ class Method:
         """Add this method's own flags (an argument group). They are rejected under the other loss types."""
 
     def set_defaults(self, args: argparse.Namespace) -> None:
-        """Fill what this method needs where the user left it unset (hook paths, the engine's settings)."""
+        """Fill what this method needs where the user left it unset (the engine's settings, its own flags)."""
 
     def validate(self, args: argparse.Namespace) -> None:
         """Reject what this method cannot run (``ArgumentValidationError``, one line naming the flags)."""
@@ -90,18 +142,52 @@ class Method:
         """Reject, before Ray starts, what this method's flags ask of the files they name (the driver's preflight
         calls it after the pipelines and data passed their own checks)."""
 
-    def trainer_configs(self, args: argparse.Namespace) -> list[TrainerConfig]:
-        """The run's trainer groups in training order; the actor (student) is always one of them."""
-        return [TrainerConfig("actor")]
+    def guided_pipelines(self, args: argparse.Namespace) -> list[tuple[str, float, str, str]]:
+        """``(scale flag, scale, pipeline flag, pipeline)`` of each guidance scale this method runs a pipeline at
+        (DMD2: its teacher's), which preflight holds against the pipeline's ``max_guidance_scale``; ``[]`` for
+        none."""
+        return []
+
+    def hook_flags(self, args: argparse.Namespace) -> dict[str, str | None]:
+        """This method's own hook flags, ``{dest: dotted path or None}`` (DMD2's reward function): the driver
+        imports them once with the generic ``--custom-*-path`` ones and hands them to :meth:`groups`."""
+        return {}
+
+    def default_hooks(self, args: argparse.Namespace) -> GroupHooks:
+        """The actor's hooks where the user set none (SFT: the flow-matching prepare and loss)."""
+        return GroupHooks()
+
+    def converter(self, args: argparse.Namespace) -> Callable | None:
+        """The converter (``fn(args, samples) -> train pairs``) where ``--custom-expand-samples-to-train-pairs-path``
+        is unset; None: the user must set it."""
+        return None
+
+    def step_strategy(self, args: argparse.Namespace) -> Callable | None:
+        """The engine's step strategy where ``--diffusion-step-strategy-path`` is unset; None: full trajectories."""
+        return None
+
+    def groups(self, args: argparse.Namespace, hooks: UserHooks) -> list[GroupSpec]:
+        """The run's trainer groups in training order, as specs; the actor (student) is always one of them.
+
+        Args:
+            hooks: the user's hooks, imported once by the driver; a group takes the user's hook where one is set
+                and the method's default elsewhere (:meth:`GroupHooks.over`).
+        """
+        return [student_group(args, hooks.group.over(self.default_hooks(args)))]
 
     def settings(self, args: argparse.Namespace) -> Any:
         """This method's flags as one typed, frozen object, built once from the parsed args and carried as
-        ``args.method_settings`` to every group (its hooks read it there); None for a method without flags."""
+        ``args.method_settings`` to every hook; None for a method without flags."""
         return None
 
     def side_inputs(self, args: argparse.Namespace) -> list[SideInput]:
         """The JSONL files the RolloutManager deals beside the prompts, one record per sample, each reaching the
         sample's train pair as a data sample (``pair.extras[name]``): the DMD2 GAN's real data; ``[]`` for none."""
+        return []
+
+    def eval_data(self, args: argparse.Namespace) -> list[SideInput]:
+        """JSONL files read only at evaluations (the DMD2 GAN's held-out reals): preflight checks them and the
+        memory plan counts their prompts; ``[]`` for none."""
         return []
 
     def eval_media(self, args: argparse.Namespace, groups: dict, eval_records: list[dict], rollout_id: int) -> dict:
@@ -123,10 +209,31 @@ class Method:
         guidance); ``[]`` for none."""
         return []
 
-    def train_output_work(self, group_args: argparse.Namespace, pairs_per_rank: int) -> list[PhaseWork]:
+    def train_output_work(self, args: argparse.Namespace, group: GroupSpec, pairs_per_rank: int) -> list["PhaseWork"]:
         """The forwards a group's train-output hook runs per rollout on one rank (``--dry-run``)."""
         return []
 
-    def train_forward_batch(self, group_args: argparse.Namespace) -> int:
+    def train_forward_batch(self, args: argparse.Namespace, group: GroupSpec) -> int:
         """Samples in one trainer forward of a group's micro-batch (the memory planner's activation batch)."""
-        return group_args.micro_batch_size
+        return group.micro_batch_size
+
+
+# Every registered method by its --loss-type name, in registration order (miles.methods imports them).
+METHODS: dict[str, Method] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: register one instance of a :class:`Method` under its ``name`` (a ``--loss-type`` value).
+
+    Raises:
+        ValueError: for a method without a name or a name already taken.
+    """
+    if not cls.name or cls.name in METHODS:
+        raise ValueError(f"method {cls.__qualname__} needs a --loss-type name of its own, got {cls.name!r}")
+    METHODS[cls.name] = cls()
+    return cls
+
+
+def replace_hooks(group: GroupSpec, **hooks: Any) -> GroupSpec:
+    """``group`` with some of its hooks replaced."""
+    return dataclasses.replace(group, hooks=dataclasses.replace(group.hooks, **hooks))

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from miles.backends.fsdp_utils.loss_hub import dmd2 as dmd2_loss
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
 
 __all__ = ["DEBUG_SAMPLES", "debug_records", "dmd2_debug_grid"]
 
@@ -41,23 +42,17 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
     group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`
     with a title (the rollout, the weights that drew the samples), one labelled row per record (its prompt, the
     step the student stopped at with its σ, the σ the teacher and critic scored at) and the colour legend."""
-    import ray
-
     from miles.eval.debug_grid import save_dmd2_debug_grid
-    from miles.models import PixelCodec, get_model_family, supports
-    from miles.ray.actor_group import split_shard
+    from miles.models import PixelCodec, supports
     from miles.rollout.data_source import make_prompt_shard
     from miles.rollout.engine import data_base_dir
-    from miles.utils.types import Box
 
     actor, critic = groups["actor"], groups["critic"]
     base_dir = data_base_dir(args.eval_prompt_data or args.prompt_data)
     shard = make_prompt_shard("debug", records, input_key=args.input_key, base_dir=base_dir)
-    shards, pad = split_shard(shard, actor.world_size)
-    results = ray.get(actor.async_generate("debug", [Box(ray.put(part)) for part in shards]))
-    boxes = [result.pairs for result in results]
-    scores = [ray.get(box.inner) for box in ray.get(critic.async_train_output("debug", boxes))]
-    pairs = [pair for box in boxes for pair in ray.get(box.inner)]
+    boxes, pad = actor.generate_shard("debug", shard)
+    scores = critic.run_train_output("debug", boxes)
+    pairs = [pair for part in actor.unbox(boxes) for pair in part]
     keep = len(pairs) - pad
     pairs = pairs[:keep]
 
@@ -77,13 +72,13 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
     }
     if "g_gan" in scores[0]:
         columns["g_gan"] = column("g_gan")
-    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
+    family = actor.run.engine.make_family()
     path = Path(args.output_dir) / "eval" / f"dmd2_debug_{rollout_id}.png"
     steps = len(args.diffusion_timesteps) if args.diffusion_timesteps else args.diffusion_num_steps
     sigmas = column("sigma").tolist()
     title = (
         f"DMD2 debug, after rollout {rollout_id}: student samples from its live weights (rollouts never use the "
-        f"EMA), teacher CFG {args.dmd2_teacher_guidance_scale:g}, critic unguided"
+        f"EMA), teacher CFG {dmd2_settings(args).teacher_guidance_scale:g}, critic unguided"
     )
     labels = [_row_label(pair.prompt, pair, sigma, steps) for pair, sigma in zip(pairs, sigmas)]
     decode = family.latents_to_images if supports(family, PixelCodec) else None  # else raw latents as pixels

@@ -49,37 +49,8 @@ def wrong_prompts(prompts: list[str]) -> list[str]:
     return wrong
 
 
-def _rank_shards(records: list[dict], world_size: int, input_key: str, base_dir: str) -> tuple[list, int]:
-    """``records`` split into ``world_size`` equal contiguous shards (the last record repeated to fill them), each
-    record also its own sample's real side input (``pair.extras[REAL_DATA]``)."""
-    from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA
-    from miles.rollout.data_source import make_prompt_shard
-    from miles.utils.types import SideRecords
-
-    size = -(-len(records) // world_size)
-    pad = size * world_size - len(records)
-    padded = records + records[-1:] * pad
-    shards = [
-        make_prompt_shard(
-            DISC_EVAL_ROLLOUT_ID,
-            padded[i * size : (i + 1) * size],
-            input_key=input_key,
-            first_prompt_index=i * size,
-            base_dir=base_dir,
-            side_data={REAL_DATA: SideRecords(padded[i * size : (i + 1) * size], base_dir)},
-        )
-        for i in range(world_size)
-    ]
-    return shards, pad
-
-
 def _logits(critic, pairs_per_rank: list[list]) -> np.ndarray:
-    import ray
-
-    from miles.utils.types import Box
-
-    boxes = [Box(ray.put(pairs)) for pairs in pairs_per_rank]
-    scores = [ray.get(box.inner) for box in ray.get(critic.async_train_output(DISC_EVAL_ROLLOUT_ID, boxes))]
+    scores = critic.run_train_output(DISC_EVAL_ROLLOUT_ID, pairs_per_rank)
     return torch.cat([part["gan_logit_fake"] for part in scores]).double().numpy()
 
 
@@ -98,12 +69,12 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     Raises:
         ValueError: for an empty file or one with a single prompt.
     """
-    import ray
     from sklearn.metrics import roc_auc_score
 
     from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, dmd2_settings
+    from miles.rollout.data_source import make_prompt_shard
     from miles.rollout.engine import data_base_dir
-    from miles.utils.types import Box
+    from miles.utils.types import SideRecords
 
     path = dmd2_settings(args).gan_eval_real_data
     with open(path) as f:
@@ -117,13 +88,20 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     actor, critic = groups["actor"], groups["critic"]
     base_dir = data_base_dir(path)
 
-    def generate(chosen: list[dict]) -> tuple[list[list], int]:
-        shards, pad = _rank_shards(chosen, actor.world_size, key, base_dir)
-        results = ray.get(actor.async_generate(DISC_EVAL_ROLLOUT_ID, [Box(ray.put(shard)) for shard in shards]))
-        return [ray.get(result.pairs.inner) for result in results], pad
+    def generate(chosen: list[dict]) -> list[list]:
+        # Each record is also its own sample's real side input (pair.extras[REAL_DATA]).
+        shard = make_prompt_shard(
+            DISC_EVAL_ROLLOUT_ID,
+            chosen,
+            input_key=key,
+            base_dir=base_dir,
+            side_data={REAL_DATA: SideRecords(chosen, base_dir)},
+        )
+        boxes, _ = actor.generate_shard(DISC_EVAL_ROLLOUT_ID, shard)  # the padded positions come last
+        return actor.unbox(boxes)
 
-    right, pad = generate(records)
-    wrong, _ = generate(swapped)
+    right = generate(records)
+    wrong = generate(swapped)
 
     def as_real(pairs_per_rank: list[list]) -> list[list]:
         # Each pair's real side sample in its place: its clean latent, with its own (right or wrong) prompt's cond.
@@ -138,8 +116,7 @@ def disc_quality(args: Any, groups: dict) -> dict[str, float]:
     keep = len(records)
     real = _logits(critic, as_real(right))[:keep]
     wrong_prompt = _logits(critic, as_real(wrong))[:keep]
-    fake = _logits(critic, right)[:keep]
-    del pad  # the padded positions are the last ones, dropped by the [:keep] above
+    fake = _logits(critic, right)[:keep]  # the padded positions are the last ones, dropped by the [:keep]
     labels = np.r_[np.ones(keep), np.zeros(keep)]
     figures = {
         "disc_prompt_auc": float(roc_auc_score(labels, np.r_[real, wrong_prompt])),

@@ -7,32 +7,34 @@ is then told to encode the negative prompt.
 """
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
-from miles.methods.base import Method, fill_defaults, hook_path, require_teacher_consumer
+from miles.config import GroupHooks
+from miles.methods.base import Method, register_method, require_teacher_consumer
 from miles.ray.data_conversion_hub import sft as sft_conversion
 
-__all__ = ["SFTMethod", "SFT_DEFAULT_HOOKS"]
-
-SFT_DEFAULT_HOOKS = {
-    "custom_expand_samples_to_train_pairs_path": hook_path(sft_conversion.expand_samples_to_train_pairs),
-    "custom_prepare_train_batch_path": hook_path(sft_loss.prepare_sft_batch),
-    "custom_loss_function_path": hook_path(sft_loss.sft_loss_formula),
-}
+__all__ = ["SFTMethod"]
 
 
+@register_method
 class SFTMethod(Method):
     name = "sft_loss"
     description = "flow-matching SFT of the student"
 
+    def default_hooks(self, args: argparse.Namespace) -> GroupHooks:
+        return GroupHooks(prepare=sft_loss.prepare_sft_batch, loss=sft_loss.sft_loss_formula)
+
+    def converter(self, args: argparse.Namespace) -> Callable:
+        return sft_conversion.expand_samples_to_train_pairs
+
     def set_defaults(self, args: argparse.Namespace) -> None:
-        fill_defaults(args, SFT_DEFAULT_HOOKS)
         if args.sft_uncond_prob > 0:
             args.encode_negative_prompt = True
 
     def validate(self, args: argparse.Namespace) -> None:
-        require_teacher_consumer(args, SFT_DEFAULT_HOOKS)
+        require_teacher_consumer(args)
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """An SFT model samples like its source (a teacher: the source's scheduler, untouched)."""

@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ __all__ = [
     "check_lora_flags",
     "adapter_parameters",
     "linear_suffixes",
-    "lora_settings",
+    "LoraFlags",
     "merge_lora",
     "parse_target_modules",
     "unmatched_targets",
@@ -138,8 +139,8 @@ def adapter_parameters(model: nn.Module, adapter_name: str) -> list[tuple[str, n
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """One group's LoRA adapter, from its ``--lora-*`` flags (the critic's ``--critic-lora-*`` map onto the same names
-    in its copy of the args).
+    """One group's LoRA adapter (:meth:`LoraFlags.settings` of its ``--lora-*`` flags, the critic's
+    ``--critic-lora-*``), as its :class:`~miles.config.GroupSpec` holds it.
 
     Attributes:
         rank: r > 0. alpha: ``lora_alpha`` (the update is scaled by alpha / r). dropout: ``lora_dropout`` in [0, 1).
@@ -152,15 +153,27 @@ class LoraSettings:
     dropout: float = 0.0
 
 
-def lora_settings(args) -> LoraSettings | None:
-    """A group's :class:`LoraSettings` from its args (``lora_rank``, ``lora_alpha``, ``lora_target_modules``,
-    ``lora_dropout``), or None when ``lora_rank`` is 0 (full-weight training, the default)."""
-    rank = getattr(args, "lora_rank", 0) or 0
-    if rank <= 0:
-        return None
-    targets = args.lora_target_modules or DEFAULT_LORA_TARGET_MODULES
-    alpha = rank if args.lora_alpha is None else args.lora_alpha
-    return LoraSettings(rank=rank, alpha=float(alpha), target_modules=tuple(targets), dropout=args.lora_dropout)
+class LoraFlags(NamedTuple):
+    """A group's LoRA flags as parsed (``--lora-*``, or the critic's ``--critic-lora-*``), before they become its
+    :class:`LoraSettings`.
+
+    Attributes:
+        rank: 0 (or None) trains full weights. alpha: None means the rank. target_modules: None means
+            :data:`DEFAULT_LORA_TARGET_MODULES`. dropout: in [0, 1).
+    """
+
+    rank: int | None
+    alpha: float | None
+    target_modules: tuple[str, ...] | None
+    dropout: float | None
+
+    def settings(self) -> LoraSettings | None:
+        """The :class:`LoraSettings` these flags ask for, or None for full-weight training (rank 0, the default)."""
+        if not self.rank or self.rank <= 0:
+            return None
+        targets = self.target_modules or DEFAULT_LORA_TARGET_MODULES
+        alpha = self.rank if self.alpha is None else self.alpha
+        return LoraSettings(rank=self.rank, alpha=float(alpha), target_modules=tuple(targets), dropout=self.dropout)
 
 
 def unmatched_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> list[str]:
@@ -258,12 +271,12 @@ def parse_target_modules(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | None = None) -> None:
+def check_lora_flags(prefix: str, flags: LoraFlags, pipeline: str | None, teacher: str | None = None) -> None:
     """Reject a group's LoRA flags that no run can use, with one line naming them (exit 2 through ``parse_args``).
 
     Args:
-        prefix: the flags' prefix, ``"--"`` for the student or ``"--critic-"``; their dests are read from ``args``
-            (``lora_rank`` / ``critic_lora_rank``, ...).
+        prefix: the flags' prefix, ``"--"`` for the student or ``"--critic-"``, as the messages name them.
+        flags: their values.
         pipeline: the pipeline directory whose denoiser the adapter goes on; its transformer config is built on the
             meta device (no weights) to check that every target module names a ``Linear`` of the model.
         teacher: for the critic, ``--teacher-load``: its adapter sits on the teacher's weights (one base per group),
@@ -277,9 +290,7 @@ def check_lora_flags(prefix: str, args, pipeline: str | None, teacher: str | Non
     """
     from miles.utils.validation import check_number, reject
 
-    dest = prefix.removeprefix("--").replace("-", "_")
-    rank, alpha = getattr(args, f"{dest}lora_rank"), getattr(args, f"{dest}lora_alpha")
-    targets, dropout = getattr(args, f"{dest}lora_target_modules"), getattr(args, f"{dest}lora_dropout")
+    rank, alpha, targets, dropout = flags
     if rank is None or rank < 0:
         reject(f"{prefix}lora-rank must be >= 0 (0 trains full weights), got {rank}")
     if rank == 0:

@@ -1,7 +1,10 @@
 """``RayTrainGroup``: the Ray actors of one trainer group, one per data-parallel rank.
 
 A plain list of actor handles; every ``async_*`` method calls the same method on each rank and returns the list of
-ObjectRefs for the caller to ``ray.get`` (slime's ``RayTrainGroup``).
+ObjectRefs for the caller to wait on with :meth:`RayTrainGroup.get` (slime's ``RayTrainGroup``). The calls that a
+method makes outside the driver's loop (an evaluation's probe: generate a shard's pairs, run a train-output hook on
+them) are dispatched here once (:meth:`RayTrainGroup.generate_shard`, :meth:`RayTrainGroup.run_train_output`), so
+no method puts, splits or gets objects itself.
 """
 
 import logging
@@ -13,8 +16,9 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+from miles.config import RunSpec
 from miles.ray.errors import get_all
-from miles.utils.types import Box, PromptShard
+from miles.utils.types import Box, PromptShard, SideRecords, TrainPair
 
 __all__ = ["RayTrainGroup", "split_shard", "evaluate_on"]
 
@@ -22,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 def split_shard(shard: PromptShard, parts: int) -> tuple[list[PromptShard], int]:
-    """Split an evaluation shard into ``parts`` equal contiguous shards, padding with copies of its last sample so
-    that every rank runs the same forwards (FSDP collectives). Returns the shards and the pad count to drop."""
+    """Split a shard into ``parts`` equal contiguous shards, padding with copies of its last sample (its side
+    inputs' last record too) so that every rank runs the same forwards (FSDP collectives). Returns the shards and
+    the pad count to drop from the end of the results."""
     total = len(shard)
     size = -(-total // parts)
     pad = size * parts - total
@@ -32,13 +37,19 @@ def split_shard(shard: PromptShard, parts: int) -> tuple[list[PromptShard], int]
         return values + values[-1:] * pad
 
     indices, prompts, records = padded(shard.sample_indices), padded(shard.prompts), padded(shard.records)
+    side = {name: SideRecords(padded(data.records), data.base_dir) for name, data in shard.side_data.items()}
+
+    def part(values: list, i: int) -> list:
+        return values[i * size : (i + 1) * size]
+
     shards = [
         PromptShard(
             shard.rollout_id,
-            indices[i * size : (i + 1) * size],
-            prompts[i * size : (i + 1) * size],
-            records[i * size : (i + 1) * size],
+            part(indices, i),
+            part(prompts, i),
+            part(records, i),
             shard.base_dir,
+            side_data={name: SideRecords(part(data.records, i), data.base_dir) for name, data in side.items()},
         )
         for i in range(parts)
     ]
@@ -60,7 +71,8 @@ class RayTrainGroup:
     join. Colocated groups are placed on the same bundles and each takes a fraction of a bundle.
 
     Args:
-        args: this group's args (``compute_trainer_args(args, trainer)``); sent to every rank by ``async_init``.
+        run: the run's specs; sent to every rank by ``async_init`` (each rank reads its group's,
+            ``run.group(role)``).
         role: the group's role (``"actor"``, ``"critic"``).
         num_nodes, num_gpus_per_node: the group's size; without CUDA the same numbers count CPU ranks.
         pg: ``(placement_group, bundle_indices)``, one bundle index per rank.
@@ -74,7 +86,7 @@ class RayTrainGroup:
 
     def __init__(
         self,
-        args,
+        run: RunSpec,
         role: str,
         num_nodes: int,
         num_gpus_per_node: int,
@@ -83,7 +95,7 @@ class RayTrainGroup:
         num_cpus_per_actor: float,
         num_threads: int | None = None,
     ) -> None:
-        self.args = args
+        self.run, self.spec = run, run.group(role)
         self.role = role
         self.world_size = num_nodes * num_gpus_per_node
         self.num_threads = num_threads
@@ -128,7 +140,7 @@ class RayTrainGroup:
         rollout; each ref resolves to the first rollout id."""
         return [
             actor.init.remote(
-                self.args,
+                self.run,
                 self.role,
                 self.master_addr,
                 self.master_port,
@@ -199,6 +211,41 @@ class RayTrainGroup:
         self._check_per_rank("train-pair shards", pairs_boxes)
         self._take_turn()
         return [actor.train_output.remote(rollout_id, box) for actor, box in zip(self.actors, pairs_boxes)]
+
+    # -- an evaluation's probes: put, split, call and get dispatched here once --------------------------------------
+    def generate_shard(self, rollout_id: int | str, shard: PromptShard) -> tuple[list[Box], int]:
+        """Generate and convert ``shard`` split over the ranks (:func:`split_shard`; no training): one box of train
+        pairs per rank, and the pad count (the last pairs of the last rank repeat its last sample).
+
+        Raises:
+            WorkerError: naming the rank that failed.
+        """
+        shards, pad = split_shard(shard, self.world_size)
+        results = self.get(
+            self.async_generate(rollout_id, [Box(ray.put(part)) for part in shards]), "generate", rollout_id
+        )
+        return [result.pairs for result in results], pad
+
+    def run_train_output(self, rollout_id: int | str, pairs: list[Box] | list[list[TrainPair]]) -> list[Any]:
+        """Each rank's train-output hook on its pairs (a box per rank, or the pairs themselves), no training; the
+        outputs in rank order.
+
+        Raises:
+            WorkerError: naming the rank that failed.
+        """
+        boxes = [part if isinstance(part, Box) else Box(ray.put(part)) for part in pairs]
+        outputs = self.get(self.async_train_output(rollout_id, boxes), "train_output", rollout_id)
+        return ray.get([box.inner for box in outputs])
+
+    @staticmethod
+    def unbox(boxes: list[Box]) -> list[Any]:
+        """The values of ``boxes`` (one object-store read for all of them)."""
+        return ray.get([box.inner for box in boxes])
+
+    def describe(self) -> dict[str, Any]:
+        """Rank 0's start-up summary (``FSDPTrainRayActor.describe``)."""
+        (info,) = self.get([self.actors[0].describe.remote()], "describe")
+        return info
 
     def async_save(self, rollout_id: int, data_state: Any = None) -> list[ray.ObjectRef]:
         """Checkpoint every rank after ``rollout_id``; ``data_state`` is the driver's data cursor."""

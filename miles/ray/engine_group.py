@@ -13,6 +13,7 @@ import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.config import RunSpec
 from miles.ray.actor_group import evaluate_on
 from miles.rollout.worker import RolloutEngineWorker
 from miles.utils.types import Box
@@ -26,7 +27,7 @@ class EngineGroup:
     """Spawn and initialise ``len(bundle_indices)`` engine replicas.
 
     Args:
-        args: the run's args (the student's settings).
+        run: the run's specs (the engine's: the student's settings).
         pg: ``(placement_group, bundle_indices)``, one bundle per replica.
         num_gpus, num_cpus: what each replica reserves of its bundle.
         num_threads: torch CPU threads per replica.
@@ -35,7 +36,7 @@ class EngineGroup:
     # Placed like RayTrainGroup's ranks (a placement group's bundles, a share of each), hence the same arguments.
     def __init__(
         self,
-        args: Any,
+        run: RunSpec,
         pg: tuple[PlacementGroup, list[int]],
         num_gpus: float,
         num_cpus: float,
@@ -53,7 +54,7 @@ class EngineGroup:
             ).remote()
             for index in bundle_indices
         ]
-        ray.get([engine.init.remote(args, num_threads) for engine in self.engines])
+        ray.get([engine.init.remote(run, num_threads) for engine in self.engines])
 
     def async_generate(self, rollout_id: int, shard_boxes: list[Box]) -> list[ray.ObjectRef]:
         """One ref per replica, each resolving to the ``RolloutResult`` list of its run of DP shards; flatten them

@@ -16,8 +16,8 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from miles.config import RunSpec
 from miles.ray.actor_group import RayTrainGroup
-from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
 from miles.utils.validation import RunError
 
 __all__ = [
@@ -122,14 +122,15 @@ def create_placement_groups(args) -> dict[str, tuple[PlacementGroup, list[int]]]
 
 def create_training_models(
     args,
-    configs: list[TrainerConfig],
+    run: RunSpec,
     pgs: dict[str, tuple[PlacementGroup, list[int]]],
     started: list | None = None,
     load_rollout_id: int | None = None,
 ) -> dict[str, RayTrainGroup]:
-    """Spawn one ``RayTrainGroup`` per trainer config, then initialise them one after the other, in training order.
+    """Spawn one ``RayTrainGroup`` per group of ``run`` (its specs), then initialise them one after the other, in
+    training order; ``args`` are the placement flags (nodes, ranks, CPUs per rank).
 
-    Each group gets ``compute_trainer_args(args, config)``. One group at a time loads its models (each rank reading
+    Every rank gets the run's specs and reads its group's. One group at a time loads its models (each rank reading
     its shards, :mod:`miles.backends.fsdp_utils.weights`) so that a GPU never holds two groups' start-up at once;
     when the groups share GPUs, each sleeps (its state in host memory) before the next one starts, and the actor
     group is the one left awake, as the driver's turns expect. Each returned group's ``start_rollout_id`` is 0, or
@@ -142,11 +143,11 @@ def create_training_models(
         RuntimeError: if the groups' checkpoints resume at different rollouts.
     """
     cpus = bundle_cpus(args)
-    gpus, cpus_per_rank = trainer_resources(len(configs), use_gpu_bundles(), cpus)
+    gpus, cpus_per_rank = trainer_resources(len(run.groups), use_gpu_bundles(), cpus)
     groups = {
-        config.role: RayTrainGroup(
-            compute_trainer_args(args, config),
-            config.role,
+        group.role: RayTrainGroup(
+            run,
+            group.role,
             args.actor_num_nodes,
             args.actor_num_gpus_per_node,
             pgs["actor"],
@@ -154,7 +155,7 @@ def create_training_models(
             num_cpus_per_actor=cpus_per_rank,
             num_threads=cpus,
         )
-        for config in configs
+        for group in run.groups
     }
     if started is not None:
         started += [("actor", handle) for group in groups.values() for handle in group.actors]
@@ -177,22 +178,22 @@ def create_training_models(
     return groups
 
 
-def create_engine_group(args, pgs: dict[str, tuple[PlacementGroup, list[int]]]) -> Any:
-    """The ``--rollout-num-gpus`` engine replicas on their own bundles, or None when the actor ranks generate."""
+def create_engine_group(args, run: RunSpec, pgs: dict[str, tuple[PlacementGroup, list[int]]]) -> Any:
+    """The ``--rollout-num-gpus`` engine replicas on their own bundles (each reads the run's engine spec), or None
+    when the actor ranks generate."""
     if "rollout" not in pgs:
         return None
     from miles.ray.engine_group import EngineGroup
 
     cpus = bundle_cpus(args)
     return EngineGroup(
-        args, pgs["rollout"], num_gpus=1.0 if use_gpu_bundles() else 0.0, num_cpus=cpus, num_threads=cpus
+        run, pgs["rollout"], num_gpus=1.0 if use_gpu_bundles() else 0.0, num_cpus=cpus, num_threads=cpus
     )
 
 
-def create_rollout_manager(args, side_inputs: list = ()) -> Any:
-    """Start the ``RolloutManager`` actor (prompt source, the method's side inputs, DP split; it reserves no CPU of
-    the bundles)."""
+def create_rollout_manager(run: RunSpec, side_inputs: list = ()) -> Any:
+    """Start the ``RolloutManager`` actor (the run's data spec, the method's side inputs, the DP split; it reserves
+    no CPU of the bundles)."""
     from miles.ray.rollout import RayRolloutManager
 
-    dp = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return RayRolloutManager.options(num_cpus=0).remote(args, dp, list(side_inputs))
+    return RayRolloutManager.options(num_cpus=0).remote(run.engine.data, run.dp_size, list(side_inputs))

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from miles.config import DataSpec
 from miles.rollout.data_source import JsonlPromptSource, make_prompt_shard, split_prompts
 from miles.rollout.engine import data_base_dir
 from miles.utils.types import Box, PromptShard, SideInput, SideRecords
@@ -29,8 +30,8 @@ class RolloutManager:
     """Owns the prompt source and its cursor, and the sources of the method's side inputs.
 
     Args:
-        args: run args (``miles.driver.arguments.parse_args``); reads ``prompt_data``, ``input_key``,
-            ``rollout_seed``, ``rollout_shuffle``, ``rollout_batch_size``, ``n_samples_per_prompt``.
+        data: the run's data spec: ``prompt_data``, ``input_key``, ``seed`` (``--rollout-seed``), ``shuffle``,
+            ``rollout_batch_size``, ``n_samples_per_prompt``.
         dp_size: data-parallel size of the trainer groups; every rollout is split into this many shards.
         side_inputs: the JSONL files the method needs beside the prompts (``Method.side_inputs``: the DMD2 GAN's
             real data), each dealt one record per generated sample from its own seeded, checkpointed cursor.
@@ -39,18 +40,18 @@ class RolloutManager:
         FileNotFoundError / ValueError: as ``JsonlPromptSource`` for a bad ``--prompt-data`` or side input.
     """
 
-    def __init__(self, args: Any, dp_size: int, side_inputs: list[SideInput] = ()) -> None:
-        self.args = args
+    def __init__(self, data: DataSpec, dp_size: int, side_inputs: list[SideInput] = ()) -> None:
+        self.data = data
         self.dp_size = dp_size
         self.data_source = JsonlPromptSource(
-            args.prompt_data, input_key=args.input_key, seed=args.rollout_seed, shuffle=args.rollout_shuffle
+            data.prompt_data, input_key=data.input_key, seed=data.seed, shuffle=data.shuffle
         )
-        self.base_dir = data_base_dir(args.prompt_data)
+        self.base_dir = data_base_dir(data.prompt_data)
         self.side_sources = {
             side.name: JsonlPromptSource(
                 side.path,
-                input_key=args.input_key,
-                seed=args.rollout_seed,
+                input_key=data.input_key,
+                seed=data.seed,
                 purpose=f"{side.name}_shuffle",
                 flag=side.flag,
             )
@@ -64,15 +65,15 @@ class RolloutManager:
         Raises:
             ValueError: if ``--rollout-batch-size`` does not split evenly over the DP size.
         """
-        args = self.args
-        n = args.n_samples_per_prompt
-        records = self.data_source.next_batch(args.rollout_batch_size)
+        data = self.data
+        n = data.n_samples_per_prompt
+        records = self.data_source.next_batch(data.rollout_batch_size)
         side = {name: source.next_batch(len(records) * n) for name, source in self.side_sources.items()}
         return [
             make_prompt_shard(
                 rollout_id,
                 records[part.start : part.stop],
-                input_key=args.input_key,
+                input_key=data.input_key,
                 n_samples_per_prompt=n,
                 first_prompt_index=part.start,
                 base_dir=self.base_dir,

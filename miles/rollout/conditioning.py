@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.config import EngineSpec
 from miles.models.base import encode_one_prompt, text_encoder_modules
 
 __all__ = ["PromptConditioner", "load_cond_file"]
@@ -59,7 +60,8 @@ class PromptConditioner:
     """Gives batched cond kwargs for shards of records, and the negative prompt's cond.
 
     Args:
-        args: reads ``cond_key``, ``negative_cond``, ``negative_prompt``.
+        spec: the engine's spec: the data's ``cond_key``, ``negative_cond``, ``negative_prompt`` and where it came
+            from.
         family: the pipeline's model family (``load_text_encoder``, ``encode_prompts``).
         pipeline_path: the pipeline whose text encoder encodes uncached prompts.
         device: where the text encoder runs.
@@ -71,20 +73,20 @@ class PromptConditioner:
 
     def __init__(
         self,
-        args: Any,
+        spec: EngineSpec,
         family: Any,
         pipeline_path: str | Path,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         on_load: Callable[[list[nn.Module]], None] | None = None,
     ) -> None:
-        self.args = args
+        self.spec = spec
         self.family = family
         self.pipeline_path = pipeline_path
         self.device = device
         self.dtype = dtype
         self.on_load = on_load
-        self.cond_key = args.cond_key
+        self.cond_key = spec.data.cond_key
         self._encoder = None
         self._negative: dict[str, torch.Tensor] | None = None
 
@@ -128,12 +130,12 @@ class PromptConditioner:
         else ``--negative-prompt`` (unset: the family's ``stock_negative_prompt``) encoded by the text encoder, with
         one log line that says which prompt and why. Computed once per process."""
         if self._negative is None:
-            path = self.args.negative_cond
+            path = self.spec.negative_cond
             if path:
                 self._negative = load_cond_file(path, where="--negative-cond")
             else:
-                prompt = getattr(self.args, "negative_prompt", None)
-                origin = getattr(self.args, "negative_prompt_origin", "--negative-prompt")
+                prompt = self.spec.negative_prompt
+                origin = self.spec.negative_prompt_origin or "--negative-prompt"
                 if prompt is None:
                     prompt = self.family.stock_negative_prompt
                     origin = f"the {self.family.name} family's (its stock pipeline's default)"

@@ -310,7 +310,7 @@ def load_latent_file(path: str | Path, where: str = "") -> torch.Tensor:
 
 
 def load_record_latent(
-    args: Any,
+    keys: Any,
     family: Any,
     record: dict[str, Any],
     base_dir: str | Path,
@@ -321,11 +321,14 @@ def load_record_latent(
     one (already in latent space, e.g. VAE latents written by ``python -m miles.rollout.encode_images``), else its
     ``--image-key`` image turned into a latent by the family.
 
+    Args:
+        keys: the data keys (a :class:`miles.config.DataSpec`: ``latent_key``, ``image_key``).
+
     Raises:
         ValueError / FileNotFoundError: naming ``where``, for a record with neither field, a bad file or a latent
             of another shape than ``expected_shape``.
     """
-    latent_key, image_key = args.latent_key, args.image_key
+    latent_key, image_key = keys.latent_key, keys.image_key
     prefix = f"{where}: " if where else ""
     if isinstance(record.get(latent_key), str):
         latent = load_latent_file(Path(base_dir) / record[latent_key], where=where or "")

@@ -7,7 +7,7 @@ generate N× the samples in the time one takes.
 
 Math: :mod:`miles.utils.sampling` (σ schedule, CFG, the ``dmd2`` and ``euler`` step rules). Per shard::
 
-    stop steps   = step strategy(args, rollout_id, sample indices, S)      # DMD2: stop_at_random_step
+    stop steps   = step strategy(args, rollout_id, sample indices, S)      # DMD2: stop_at_random_step (the spec's)
     last step    = max over the shard, or over every rank (sync_last_step), so FSDP ranks run equal forwards
     for each micro-batch of --micro-batch-size samples:
         cond     = prompt cond (cached or encoded), plus the negative prompt's when asked for
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.config import DataSpec, EngineSpec, hook_name
 from miles.rollout.conditioning import PromptConditioner
-from miles.utils.misc import load_function
 from miles.utils.sampling import (
     STEP_RULES,
     FlowNoiseSchedule,
@@ -54,14 +54,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def record_metadata(args: Any, record: dict) -> dict:
+def record_metadata(keys: DataSpec, record: dict) -> dict:
     """A record's fields other than the prompt, the image or latent and the cached cond (``Sample.metadata``)."""
-    skip = {
-        getattr(args, "input_key", "prompt"),
-        getattr(args, "image_key", "image"),
-        getattr(args, "latent_key", "latent"),
-        getattr(args, "cond_key", "cond"),
-    }
+    skip = {keys.input_key, keys.image_key, keys.latent_key, keys.cond_key}
     return {key: value for key, value in record.items() if key not in skip}
 
 
@@ -74,49 +69,47 @@ class RolloutEngine:
     """Generates the samples of prompt shards on a given denoiser.
 
     Args:
-        args: run args; reads ``rollout_seed``, ``diffusion_num_steps``, ``diffusion_flow_shift``,
-            ``diffusion_timesteps``, ``diffusion_guidance_scale``, ``diffusion_step_rule``,
-            ``diffusion_step_strategy_path``, ``encode_negative_prompt`` and ``micro_batch_size``.
+        spec: the engine's spec: ``num_steps``, ``flow_shift``, ``timesteps``, ``guidance_scale``, ``step_rule``,
+            ``step_strategy``, ``encode_negative``, ``micro_batch_size``, ``seed`` and the data keys.
         family: the pipeline's model family.
         denoiser: the student (plain module or FSDP module; the engine only runs it under ``no_grad``).
         conditioner: gives the prompts' cond and the negative cond.
         latent_shape: one sample's ``(C, H, W)`` (video: ``(C, F, H, W)``), the family's ``latent_shape``.
         num_train_timesteps: the model's timestep scale (the scheduler config's; 1000 for SD3 and digits).
+        args: the command's parsed flags, the step strategy's first argument (its documented signature).
 
     Raises:
-        ValueError: on an unknown ``--diffusion-step-rule`` or a bad step-strategy path.
+        ValueError: on an unknown ``--diffusion-step-rule``.
     """
 
     def __init__(
         self,
-        args: Any,
+        spec: EngineSpec,
         family: Any,
         denoiser: nn.Module,
         conditioner: PromptConditioner,
         latent_shape: tuple[int, ...],
         num_train_timesteps: int = 1000,
+        *,
+        args: Any = None,
     ) -> None:
-        self.args = args
+        self.spec, self.args = spec, args
         self.family = family
         self.denoiser = denoiser
         self.conditioner = conditioner
         self.latent_shape = tuple(latent_shape)
         self.num_train_timesteps = num_train_timesteps
         self.schedule = FlowNoiseSchedule(
-            args.diffusion_num_steps,
-            args.diffusion_flow_shift,
-            num_train_timesteps,
-            timesteps=getattr(args, "diffusion_timesteps", None),
+            spec.num_steps, spec.flow_shift, num_train_timesteps, timesteps=list(spec.timesteps or []) or None
         )
-        self.step_rule = getattr(args, "diffusion_step_rule", "dmd2")
+        self.step_rule = spec.step_rule
         if self.step_rule not in STEP_RULES:
             raise ValueError(f"--diffusion-step-rule {self.step_rule!r} is unknown; choose one of {list(STEP_RULES)}")
-        self.guidance_scale = float(getattr(args, "diffusion_guidance_scale", 1.0))
-        strategy = getattr(args, "diffusion_step_strategy_path", None)
-        self.step_strategy = load_function(strategy) if strategy else None
+        self.guidance_scale = float(spec.guidance_scale)
+        self.step_strategy = spec.step_strategy
         # The negative cond travels with every sample when a consumer asks for it (the method sets the flag), and
         # whenever the student itself samples with CFG.
-        self.encode_negative = bool(getattr(args, "encode_negative_prompt", False)) or self.guidance_scale != 1.0
+        self.encode_negative = spec.encode_negative or self.guidance_scale != 1.0
         logger.debug("rollout engine: %s, %s, rule %s", family.name, self.schedule, self.step_rule)
 
     @property
@@ -132,7 +125,7 @@ class RolloutEngine:
         if self.step_strategy is None:
             return [None] * len(shard)
         steps = list(self.step_strategy(self.args, shard.rollout_id, list(shard.sample_indices), self.num_steps))
-        path = self.args.diffusion_step_strategy_path
+        path = hook_name(self.step_strategy)
         if len(steps) != len(shard):
             raise ValueError(
                 f"--diffusion-step-strategy-path {path} returned {len(steps)} stop steps for {len(shard)} samples"
@@ -164,8 +157,8 @@ class RolloutEngine:
         if sync_last_step is not None:
             last_step = sync_last_step(last_step)
         neg_row = self.conditioner.negative() if self.encode_negative else {}
-        seed = self.args.rollout_seed
-        micro_batch_size = max(1, int(getattr(self.args, "micro_batch_size", len(shard))))
+        seed = self.spec.seed
+        micro_batch_size = max(1, int(self.spec.micro_batch_size))
         samples: list[Sample] = []
         for start in range(0, len(shard), micro_batch_size):
             end = min(start + micro_batch_size, len(shard))
@@ -193,7 +186,7 @@ class RolloutEngine:
                     Sample(
                         index=shard.sample_indices[position],
                         prompt=shard.prompts[position],
-                        metadata=record_metadata(self.args, shard.records[position]),
+                        metadata=record_metadata(self.spec.data, shard.records[position]),
                         # neg_row is shared by all samples: pickle stores one copy per shard
                         env=DenoisingEnv(pos_cond=_row(cond, b), neg_cond=neg_row, guidance_scale=self.guidance_scale),
                         trajectory=DiTTrajectory(
@@ -225,7 +218,7 @@ class RolloutEngine:
         """
         schedule = self.schedule
         if num_steps:
-            schedule = FlowNoiseSchedule(num_steps, self.args.diffusion_flow_shift, self.num_train_timesteps)
+            schedule = FlowNoiseSchedule(num_steps, self.spec.flow_shift, self.num_train_timesteps)
         guidance = self.guidance_scale if guidance_scale is None else float(guidance_scale)
         return sample_latents(
             self.family,
@@ -238,7 +231,7 @@ class RolloutEngine:
             schedule=schedule,
             guidance_scale=guidance,
             step_rule=self.step_rule,
-            seed=self.args.rollout_seed,
+            seed=self.spec.seed,
             negative=self.conditioner.negative() if guidance != 1.0 else None,
             batch_size=batch_size,
             rollout_id=shard.rollout_id,
@@ -246,7 +239,7 @@ class RolloutEngine:
 
 
 def data_samples(
-    args: Any,
+    spec: EngineSpec,
     family: Any,
     conditioner: PromptConditioner,
     shard: PromptShard,
@@ -257,7 +250,8 @@ def data_samples(
     names them in errors: ``"real sample"`` for the GAN's real data).
 
     The latent is the record's ``--latent-key`` file (already in latent space) or its ``--image-key`` image turned
-    into a latent by the family (see :func:`miles.rollout.data_source.load_record_latent`).
+    into a latent by the family (see :func:`miles.rollout.data_source.load_record_latent`). A sample carries the
+    negative prompt's cond when the engine spec asks every sample for it (``encode_negative``).
 
     Raises:
         ValueError / FileNotFoundError: naming the sample, for a record without image or latent, or a bad one.
@@ -265,11 +259,11 @@ def data_samples(
     from miles.rollout.data_source import load_record_latent
 
     cond = conditioner.cond(shard.prompts, shard.records, shard.base_dir)
-    neg_row = conditioner.negative() if getattr(args, "encode_negative_prompt", False) else {}
+    neg_row = conditioner.negative() if spec.encode_negative else {}
     samples = []
     for position, (index, prompt, record) in enumerate(zip(shard.sample_indices, shard.prompts, shard.records)):
         x0 = load_record_latent(
-            args,
+            spec.data,
             family,
             record,
             shard.base_dir,
@@ -280,7 +274,7 @@ def data_samples(
             Sample(
                 index=index,
                 prompt=prompt,
-                metadata=record_metadata(args, record),
+                metadata=record_metadata(spec.data, record),
                 env=DenoisingEnv(pos_cond=_row(cond, position), neg_cond=neg_row, guidance_scale=1.0),
                 x0=x0.float(),
             )
@@ -294,13 +288,14 @@ def data_base_dir(path: str | Path | None) -> str:
 
 
 def convert_samples(args: Any, converter: Callable, samples: list[Sample]) -> list[TrainPair]:
-    """Run the converter (``--custom-expand-samples-to-train-pairs-path``) and check what it returns.
+    """Run the converter (``fn(args, samples)``: ``--custom-expand-samples-to-train-pairs-path``, else the
+    method's) and check what it returns.
 
     Raises:
         HookResultError: naming the hook, if it returns something other than a list of ``TrainPair``, or another
             number of pairs than samples.
     """
-    path = getattr(args, "custom_expand_samples_to_train_pairs_path", None)
+    path = hook_name(converter)
     pairs = converter(args, samples)
     if not isinstance(pairs, list) or not all(isinstance(pair, TrainPair) for pair in pairs):
         got = (

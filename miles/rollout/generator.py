@@ -5,7 +5,7 @@ each ``--rollout-num-gpus`` engine replica (on an unsharded copy of the student,
 
     samples = data samples of the records          # --train-only: each record's image or latent, no sampling
             | engine.generate(shard)               # else the student's few-step sampler (miles.rollout.engine)
-    pairs   = converter(args, samples)             # --custom-expand-samples-to-train-pairs-path, one per sample
+    pairs   = converter(args, samples)             # the spec's converter (the user's or the method's), one per sample
     every rank holds as many pairs as the others    # one all-reduce, before any other collective
     pair.extras[name] = data sample of its record  # each side input the method declared (DMD2 GAN: "real")
 
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.config import EngineSpec, hook_name
 from miles.models.base import read_scheduler_config
 from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.engine import RolloutEngine, convert_samples, data_samples
 from miles.utils.collectives import Collectives, check_equal_counts
-from miles.utils.misc import load_function
 from miles.utils.types import PromptShard, SideRecords, TrainPair
 from miles.utils.validation import HookResultError
 
@@ -38,8 +38,7 @@ class RolloutGenerator:
     """Generates and converts the shards of one process.
 
     Args:
-        args: the run's (or the actor group's) args: the engine's flags, ``train_only``, ``input_key``, the converter
-            path, the data keys.
+        spec: the engine's spec: its schedule, step strategy, converter, the data keys and ``train_only``.
         family: the pipeline's model family.
         denoiser: the student the engine samples with (an FSDP module on an actor rank, a plain one on a replica).
         device: where the text encoder runs (for prompts without a cached cond).
@@ -49,28 +48,28 @@ class RolloutGenerator:
             dtype, resharded after); default none.
         on_text_encoder: called with the text encoder's modules when it loads (the actor's: its group's sleep
             controller keeps them, :meth:`~miles.backends.fsdp_utils.sleep.SleepController.register`); default none.
-
-    Raises:
-        ValueError: on a converter path that does not import.
+        args: the command's parsed flags, the converter's and the step strategy's first argument (their documented
+            signatures); nothing else reads them.
     """
 
     def __init__(
         self,
-        args: Any,
+        spec: EngineSpec,
         family: Any,
         denoiser: nn.Module,
         *,
+        args: Any = None,
         device: torch.device,
         collectives: Collectives,
         group: str = "actor",
         inference: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_text_encoder: Callable[[list[nn.Module]], None] | None = None,
     ) -> None:
-        self.args, self.family, self.denoiser, self.device = args, family, denoiser, device
+        self.spec, self.args, self.family, self.denoiser, self.device = spec, args, family, denoiser, device
         self.collectives, self.group, self.inference = collectives, group, inference
         self.on_text_encoder = on_text_encoder
-        self.converter = load_function(args.custom_expand_samples_to_train_pairs_path)
-        self.latent_shape = family.latent_shape(args.hf_checkpoint)
+        self.converter = spec.converter
+        self.latent_shape = family.latent_shape(spec.pipeline)
         self._engine: RolloutEngine | None = None
 
     @property
@@ -78,23 +77,24 @@ class RolloutGenerator:
         """The rollout engine on the student (built on first use; its text encoder loads lazily, in the compute dtype
         ``--train-dtype``)."""
         if self._engine is None:
-            args = self.args
+            spec = self.spec
             conditioner = PromptConditioner(
-                args,
+                spec,
                 self.family,
-                args.hf_checkpoint,
+                spec.pipeline,
                 device=self.device,
                 # The compute dtype (--train-dtype: float32, bfloat16, float16 are torch's own names).
-                dtype=getattr(torch, args.train_dtype),
+                dtype=getattr(torch, spec.dtype),
                 on_load=self.on_text_encoder,
             )
             self._engine = RolloutEngine(
-                args,
+                spec,
                 self.family,
                 self.denoiser,
                 conditioner,
                 self.latent_shape,
-                read_scheduler_config(args.hf_checkpoint)["num_train_timesteps"],
+                read_scheduler_config(spec.pipeline)["num_train_timesteps"],
+                args=self.args,
             )
         return self._engine
 
@@ -107,16 +107,15 @@ class RolloutGenerator:
             ValueError: when the ranks' pair counts differ, a side input does not hold one record per pair, or a
                 data record has no usable image or latent.
         """
-        args = self.args
-        if args.train_only:
-            samples = data_samples(args, self.family, self.engine.conditioner, shard, self.latent_shape)
+        if self.spec.data.train_only:
+            samples = data_samples(self.spec, self.family, self.engine.conditioner, shard, self.latent_shape)
         else:
             with self.inference():
                 samples = self.engine.generate(shard, sync_last_step=self._largest_step)
-        path = args.custom_expand_samples_to_train_pairs_path
+        path = hook_name(self.converter)
         problem, pairs = None, []
         try:
-            pairs = convert_samples(args, self.converter, samples)
+            pairs = convert_samples(self.args, self.converter, samples)
         except HookResultError as exc:
             problem = exc
         # Before any other collective: a rank whose converter failed would otherwise leave the others waiting.
@@ -141,13 +140,13 @@ class RolloutGenerator:
         records = PromptShard(
             shard.rollout_id,
             list(shard.sample_indices),
-            [str(record[self.args.input_key]) for record in side.records],
+            [str(record[self.spec.data.input_key]) for record in side.records],
             side.records,
             side.base_dir,
         )
         # Errors name the side input's record ("real sample 5 (prompt ...)" for the DMD2 GAN's real data).
         samples = data_samples(
-            self.args, self.family, self.engine.conditioner, records, self.latent_shape, source=f"{name} sample"
+            self.spec, self.family, self.engine.conditioner, records, self.latent_shape, source=f"{name} sample"
         )
         for pair, sample in zip(pairs, samples):
             pair.extras[name] = sample

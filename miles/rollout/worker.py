@@ -14,11 +14,11 @@ A plain class; ``miles.ray.engine_group.EngineGroup`` turns it into N Ray actors
 
 import logging
 import time
-from typing import Any
 
 import ray
 import torch
 
+from miles.config import RunSpec
 from miles.models.capabilities import decode_latents
 from miles.models.precision import cast_to_compute_dtype, resolve_dtype
 from miles.rollout.generator import RolloutGenerator
@@ -35,31 +35,35 @@ logger = logging.getLogger(__name__)
 class RolloutEngineWorker:
     """One engine replica. Construct empty; ``init`` loads the student (so Ray can place the actor first)."""
 
-    def init(self, args: Any, num_threads: int | None = None) -> None:
-        """Load the family, the student (``--hf-checkpoint``) in ``--train-dtype`` on this replica's device, the
-        converter.
+    def init(self, run: RunSpec, num_threads: int | None = None) -> None:
+        """Load the family, the student (the engine spec's pipeline, ``--hf-checkpoint``) in ``--train-dtype`` on
+        this replica's device, and the rollout generator.
 
         Raises:
-            ValueError: on a bad converter or step-strategy path, or an unknown ``--train-dtype``.
+            ValueError: on an unknown ``--train-dtype`` or ``--diffusion-step-rule``.
         """
-        from miles.models import get_model_family
-
-        setup_logging(args.log_level, worker=True)
+        setup_logging(run.log_level, worker=True)
         if num_threads:
             torch.set_num_threads(int(num_threads))
-        self.args = args
+        spec = run.engine
         self.device = worker_device()
-        self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-        dtype = resolve_dtype(args.train_dtype)
+        self.family = spec.make_family()
+        dtype = resolve_dtype(spec.dtype)
         # No float32 master copy (nothing trains here) and no autocast: the stored weights are the compute dtype's, as
         # the actor ranks' FSDP2 policy gathers them; buffers and kept modules as miles.models.precision says.
-        denoiser = self.family.load_denoiser(args.hf_checkpoint, dtype=dtype).eval().requires_grad_(False)
+        denoiser = self.family.load_denoiser(spec.pipeline, dtype=dtype).eval().requires_grad_(False)
         cast_to_compute_dtype(denoiser, dtype)
         denoiser.to(self.device)
         self.generator = RolloutGenerator(
-            args, self.family, denoiser, device=self.device, collectives=LocalCollectives(), group="engine replica"
+            spec,
+            self.family,
+            denoiser,
+            args=run.args,
+            device=self.device,
+            collectives=LocalCollectives(),
+            group="engine replica",
         )
-        # Built now, not on first use: a bad step-strategy path fails at start-up.
+        # Built now, not on first use: a bad step rule fails at start-up.
         self.engine = self.generator.engine
 
     def generate(self, rollout_id: int, shard_boxes: list[Box]) -> list[RolloutResult]:

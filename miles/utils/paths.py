@@ -150,3 +150,10 @@ def check_export_target(
                 f"{name} {out_dir} holds {shown}, not part of the pipeline the export writes; move it away or "
                 "export elsewhere (--overwrite-save-hf replaces a pipeline, never other files)"
             )
+
+
+def sibling_dir(path: str | None, suffix: str) -> str | None:
+    """``/ckpt/run`` → ``/ckpt/run_critic``; ``None`` stays ``None``. A trailing slash is ignored."""
+    if path is None:
+        return None
+    return os.path.normpath(path) + suffix

@@ -66,16 +66,17 @@ def profile_dir(args) -> Path:
 
 
 @contextlib.contextmanager
-def profiled(args, role: str, rank: int, rollout_id: int | str, phase: str) -> Iterator[None]:
+def profiled(profile, role: str, rank: int, rollout_id: int | str, phase: str) -> Iterator[None]:
     """Profile the block when ``rollout_id`` is in ``--profile-rollouts``; otherwise run it untouched.
 
     Args:
-        args: the group's args (``profile_rollouts``, ``profile_dir``, ``output_dir``).
+        profile: the run's :class:`miles.config.ProfileSpec` (``rollouts``: ``(start, end)``, ``directory``), or
+            None when no rollout is profiled.
         role / rank: the trainer group and the DP rank; with ``phase`` they name the files.
         rollout_id: the rollout (an evaluation's string id is never profiled).
         phase: ``"generate"`` or ``"train"``.
     """
-    rollouts = args.profile_rollouts
+    rollouts = None if profile is None else profile.rollouts
     if rollouts is None or not isinstance(rollout_id, int) or not rollouts[0] <= rollout_id < rollouts[1]:
         yield
         return
@@ -84,7 +85,7 @@ def profiled(args, role: str, rank: int, rollout_id: int | str, phase: str) -> I
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         yield
-    out = profile_dir(args) / f"rollout_{rollout_id:06d}"
+    out = Path(profile.directory) / f"rollout_{rollout_id:06d}"
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{role}-rank{rank}-{phase}"
     prof.export_chrome_trace(f"{stem}.json")

@@ -33,8 +33,8 @@ class MetricsTracker:
     """One process's metrics writer.
 
     Args:
-        args: reads ``output_dir``, ``use_wandb``, ``wandb_project`` and ``wandb_mode`` (``"offline"`` unless the
-            user asks for ``"online"``).
+        args: reads ``output_dir`` and ``use_wandb``; with wandb, ``wandb_project``, ``wandb_run_name`` and
+            ``wandb_mode`` (``"offline"`` unless the user asks for ``"online"``).
         job: who logs, e.g. ``"driver"`` or a trainer role; written into every record and the wandb ``job_type``.
         wandb_run_id: continue this wandb run (a resume: the id its checkpoint kept); None starts a new run.
 
@@ -48,7 +48,7 @@ class MetricsTracker:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._wandb_run = None
         self.wandb_run_id: str | None = None
-        if getattr(args, "use_wandb", False):
+        if args.use_wandb:
             self._wandb_run = self._init_wandb(args, job, wandb_run_id)
             self.wandb_run_id = self._wandb_run.id
 
@@ -56,15 +56,15 @@ class MetricsTracker:
     def _init_wandb(args, job: str, run_id: str | None):
         import wandb
 
-        mode = getattr(args, "wandb_mode", "offline") or "offline"
+        mode = args.wandb_mode or "offline"
         run = wandb.init(
             # A resume names the run whose id its checkpoint kept ("allow": continue it, or create it offline).
             id=run_id,
             resume="allow" if run_id else None,
-            project=getattr(args, "wandb_project", "miles"),
+            project=args.wandb_project,
             group=Path(args.output_dir).resolve().name,
             job_type=job,
-            name=getattr(args, "wandb_run_name", None) or Path(args.output_dir).resolve().name,
+            name=args.wandb_run_name or Path(args.output_dir).resolve().name,
             dir=str(args.output_dir),
             mode=mode,
             config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},

@@ -278,15 +278,10 @@ def test_a_nan_student_stops_the_run_at_the_guard_and_the_last_good_checkpoint_s
 def _assert_loads_finite(root: Path, save: Path, rollout_id: int) -> None:
     """The committed checkpoint (written by 2 ranks) loads into a fresh 1-rank trainer without a process group and
     its weights are finite."""
-    from miles.backends.fsdp_utils.trainer import GroupTrainer
-    from miles.models import get_model_family
-    from miles.utils.collectives import LocalCollectives
-    from tests.support.trainer import make_args
+    from tests.support.trainer import make_args, make_trainer
 
     assert run_dir.resume_rollout([save]) == rollout_id
-    args = make_args(root / "digits", root, prompt_data=str(root / "train.jsonl"))
-    family = get_model_family(root / "digits")
-    trainer = GroupTrainer(args, "actor", family=family, device=torch.device("cpu"), collectives=LocalCollectives())
+    trainer = make_trainer(make_args(root / "digits", root, prompt_data=str(root / "train.jsonl")))
     model = trainer.models.denoiser
     before = [p.detach().clone() for p in model.parameters()]
     trainer.load(str(save), rollout_id)

@@ -5,7 +5,7 @@
     4 ray       miles.ray (placement, trainer and engine groups, RolloutManager, converters)
     3 backends  miles.backends (the FSDP trainer, its hooks)
     2 rollout   miles.rollout (engine, conditioning, data), miles.eval.digits
-    1 models    miles.models, miles.eval (generic evaluation), miles.plot
+    1 models    miles.models, miles.config (the run's specs), miles.eval (generic evaluation), miles.plot
     0 utils     miles.utils
 
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
@@ -18,6 +18,7 @@ MILES = Path(__file__).resolve().parents[2] / "miles"
 LAYERS = [
     ("miles.utils", 0),
     ("miles.models", 1),
+    ("miles.config", 1),
     ("miles.eval.digits", 2),
     ("miles.eval", 1),
     ("miles.plot", 1),

@@ -168,7 +168,7 @@ def test_the_summary_names_the_kept_rollout_and_each_collapse_alarm(tmp_path):
 
     recipe = _run_digits_module()
     run_dir = tmp_path / "runs" / "student-4step-cfg1"
-    tracker = MetricsTracker(SimpleNamespace(output_dir=str(run_dir)), job="driver")
+    tracker = MetricsTracker(SimpleNamespace(output_dir=str(run_dir), use_wandb=False), job="driver")
     tracker.log({"health/std_ratio": 1.0, "health/diversity_ratio": 0.9}, 0)
     tracker.log({"health/std_ratio": 2.5, "health/diversity_ratio": 0.9}, 1)  # wider than the teacher's
     tracker.log({"eval/fd": 1.4, "health/eval_diversity": 0.15, "eval/diversity_ratio": 0.9}, 1)
@@ -225,7 +225,9 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
     # The recipe composes each --ablation's command as below (2 DP ranks); a flag the trainer refuses would fail
     # only after the teacher's training. The GAN variants' real data and the LoRA's pipeline are checked later
     # (preflight, Ray).
+    from miles.backends.fsdp_utils.loss_hub.regression import dmd2_regression_loss
     from miles.driver.arguments import parse_args
+    from miles.methods import get_method
 
     recipe = _run_digits_module()
     parsed = {}
@@ -258,10 +260,7 @@ def test_every_digits_ablation_parses_as_a_dmd2_student_run(tmp_path):
                                  "t", "--prompt-data", "p", "--num-rollout", "3"])  # fmt: skip
     assert (recipe_student.ema_decay, recipe_student.ema_min_decay) == (0.99, 0.99)
     assert (recipe_student.dmd2_regression_weight, recipe_student.dmd2_regression_pairs) == (0.25, "pairs.jsonl")
-    assert (
-        recipe_student.custom_loss_function_path
-        == "miles.backends.fsdp_utils.loss_hub.regression.dmd2_regression_loss"
-    )
+    assert get_method(recipe_student).default_hooks(recipe_student).loss is dmd2_regression_loss
     assert (parsed["warmup"].ema_min_decay, parsed["lora"].ema_min_decay, parsed["reward"].ema_min_decay) == (0, 0, 0)
     assert recipe.ABLATIONS["no-regression"] == [*recipe.ABLATIONS["warmup"], "--ema-min-decay", "0.99"]
     assert recipe.PHASE2_FLAGS == [*recipe.ABLATIONS["no-regression"], "--dmd2-regression-weight", "0.25"]

@@ -1,5 +1,6 @@
 """The sync driver: dry run, the hand-off between trainer groups, and SFT on real digits through the CLI."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from miles.ray.actor_group import RayTrainGroup
 from miles.ray.placement_group import bundle_cpus, create_placement_groups, create_rollout_manager, trainer_resources
 from miles.utils.tracking import MetricsTracker, read_metrics
 from tests.support.ray import REPO
-from tests.support.trainer import make_args, make_pipeline
+from tests.support.trainer import make_args, make_pipeline, run_spec
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def test_dry_run_logs_groups_placement_and_schedule_without_ray(pipeline, data, 
     assert "placement: 2 bundles of {CPU: c}" in text or "placement: 2 bundles of {GPU: 1, CPU: c}" in text
     assert "rollout: none (--train-only): each actor rank reads its share of the data" in text
     assert f"  actor  {pipeline}  -        0.001  1              {tmp_path / 'ckpt'}  -" in text
-    assert "  group actor: no overrides (the command's flags as given)" in text
+    assert "  group actor:\n" in text  # its hooks by name, the method's where the command names none
+    assert "    --custom-loss-function-path        miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula" in text
     assert "eval: none (no --eval-interval)" in text and "time estimate (an estimate, not a measurement" in text
     assert "work per DP rank per rollout (DP size 2, 4 pairs per rank)" in text
     assert "schedule: rollouts 0..4" in text and "saves after rollouts [1, 3, 4]" in text
@@ -116,12 +118,14 @@ def test_driver_hands_each_group_the_earlier_groups_outputs_of_the_same_rollout(
         prompt_data=str(data),
         custom_train_input_function_path="tests.support.trainer.record_input_second",
     )
+    first = dataclasses.replace(run_spec(first_args).group("actor"), role="first")
+    run = dataclasses.replace(run_spec(args), groups=(first, run_spec(actor_args).group("actor")))
     pgs = create_placement_groups(args)
-    manager = create_rollout_manager(args)
+    manager = create_rollout_manager(run)
     gpus, cpus = trainer_resources(2, False, bundle_cpus(args))
     groups = {
-        role: RayTrainGroup(group_args, role, 1, 2, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
-        for role, group_args in (("first", first_args), ("actor", actor_args))
+        role: RayTrainGroup(run, role, 1, 2, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
+        for role in ("first", "actor")
     }
     try:
         ray.get([ref for group in groups.values() for ref in group.async_init()])

@@ -147,8 +147,8 @@ def run_killed(kill_at: str, rollout: int, argv: list[str]) -> None:
         refs = original(group, rollout_id, data_state)
         if rollout_id == rollout and kill_at == "during-save" and group.role == "actor":
             # Die once the workers are writing (their temporary directory exists), or right after if they finished.
-            tmp = Path(group.args.save) / f".tmp_rollout_{rollout_id}"
-            final = Path(group.args.save) / f"rollout_{rollout_id}"
+            tmp = Path(group.spec.checkpoint.save) / f".tmp_rollout_{rollout_id}"
+            final = Path(group.spec.checkpoint.save) / f"rollout_{rollout_id}"
             deadline = time.monotonic() + 30
             while not (tmp.exists() or final.exists()) and time.monotonic() < deadline:
                 time.sleep(0.001)

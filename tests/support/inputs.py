@@ -72,14 +72,13 @@ def checkpoint_layout(
 
     from miles.backends.fsdp_utils import checkpoint
     from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+    from miles.config import OptimizerSpec, ScheduleSpec
     from miles.driver.resume import run_record, write_run_record
     from miles.models.base import DENOISER
 
-    settings = argparse.Namespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0,
-                                  min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant")  # fmt: skip
     module = torch.nn.Linear(4, 4)
-    optimizer = build_optimizer([module], settings)
-    scheduler = build_lr_scheduler(optimizer, settings, 10)
+    optimizer = build_optimizer([module], OptimizerSpec(lr=1e-3))
+    scheduler = build_lr_scheduler(optimizer, ScheduleSpec(total_steps=10), 1e-3)
     states = {
         "train": checkpoint.ModulesState(torch.nn.ModuleDict({DENOISER: module}), optimizer),
         "scheduler": checkpoint.SchedulerState(scheduler),
@@ -89,9 +88,12 @@ def checkpoint_layout(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
         path = checkpoint.save_checkpoint(save_dir, rollout_id, states, role=role, data_state=data_state)
     if loss_type is not None:
-        write_run_record(
-            save_dir, run_record(argparse.Namespace(loss_type=loss_type, **vars(settings)), rollout_id, None)
-        )
+        settings = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, min_lr=0.0,
+                        lr_warmup_steps=0, lr_decay_style="constant")  # fmt: skip
+        unset = dict(critic_lr=None, clip_grad=None, num_rollout=None)  # not recorded: nothing to compare a resume to
+        record = run_record(argparse.Namespace(loss_type=loss_type, **settings, **unset), rollout_id, None)
+        record["settings"] = {name: record["settings"][name] for name in settings}
+        write_run_record(save_dir, record)
     if commit:
         (save_dir / "latest").write_text(f"{rollout_id}\n")
     return path

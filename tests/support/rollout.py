@@ -11,22 +11,32 @@ from miles.utils.types import PromptShard
 STOP_STEPS_HOOK = "tests.support.rollout.stop_steps_from_args"
 
 
+def engine_spec(args):
+    """The engine spec of parsed ``args``, as the driver builds it (the step strategy and converter imported)."""
+    from miles.driver.specs import build_run_spec
+
+    return build_run_spec(args).engine
+
+
 def make_engine(args, pipeline: Path, *, family=None, conditioner=None):
-    """A ``RolloutEngine`` on ``pipeline``'s own denoiser (float32, CPU), as an engine replica builds it."""
+    """A ``RolloutEngine`` on ``pipeline``'s own denoiser (float32, CPU), as an engine replica builds it; the step
+    strategy gets ``args`` (tests set ``args.test_stop_steps`` on them)."""
     from miles.models import get_model_family
     from miles.models.base import read_scheduler_config
     from miles.rollout.conditioning import PromptConditioner
     from miles.rollout.engine import RolloutEngine
 
+    spec = engine_spec(args)
     family = family or get_model_family(pipeline)
-    conditioner = conditioner or PromptConditioner(args, family, pipeline)
+    conditioner = conditioner or PromptConditioner(spec, family, pipeline)
     return RolloutEngine(
-        args,
+        spec,
         family,
         family.load_denoiser(pipeline),
         conditioner,
         family.latent_shape(pipeline),
         read_scheduler_config(pipeline)["num_train_timesteps"],
+        args=args,
     )
 
 
@@ -44,7 +54,7 @@ def prompt_shard(rollout_id, prompts: list[str], indices: list[int] | None = Non
 def stop_steps_from_args(args, rollout_id, sample_indices, num_steps):
     """Step strategy whose stop steps the test sets on the args: ``args.test_stop_steps`` maps a sample index to its
     stop step (missing: the full trajectory), or is a list returned as it is (to test the engine's checks)."""
-    stops = getattr(args, "test_stop_steps", {})
+    stops = vars(args).get("test_stop_steps", {})
     if isinstance(stops, list):
         return stops
     return [stops.get(index) for index in sample_indices]

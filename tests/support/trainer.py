@@ -52,6 +52,48 @@ def make_args(pipeline: Path, run_dir: Path, *extra: str, train_only: bool = Tru
     return args
 
 
+def run_spec(args):
+    """The run's specs of parsed ``args`` as the driver builds them (every hook path imported once)."""
+    from miles.driver.specs import build_run_spec
+
+    return build_run_spec(args)
+
+
+def make_trainer(
+    args,
+    role: str = "actor",
+    *,
+    family=None,
+    device=None,
+    collectives=None,
+    mesh=None,
+    trainer_class=None,
+    converters=None,
+    **hooks,
+):
+    """The ``GroupTrainer`` of ``role`` in the run ``args`` describe, as one rank builds it (``LocalCollectives`` on
+    the CPU by default); ``hooks`` replace hooks of its spec (``loss=fn``)."""
+    from miles.backends.fsdp_utils.trainer import GroupTrainer
+    from miles.methods.base import replace_hooks
+    from miles.utils.collectives import LocalCollectives
+
+    run = run_spec(args)
+    spec = run.group(role)
+    if hooks:
+        spec = replace_hooks(spec, **hooks)
+    cls = trainer_class or spec.hooks.trainer or GroupTrainer
+    return cls(
+        spec,
+        family if family is not None else run.engine.make_family(spec.init),
+        device=torch.device("cpu") if device is None else device,
+        collectives=LocalCollectives() if collectives is None else collectives,
+        mesh=mesh,
+        args=run.args,
+        profile=run.profile,
+        converters=converters,
+    )
+
+
 def digits_pairs(family, rollout_id: int, count: int) -> list[TrainPair]:
     """``count`` SFT pairs of real sklearn digits (a different slice per rollout) with seeded cond tensors."""
     from sklearn.datasets import load_digits

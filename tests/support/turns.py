@@ -23,9 +23,9 @@ class RecordingTrainer(GroupTrainer):
     """A ``GroupTrainer`` that logs its sleep/wake transitions and its compute phases (``generate`` and
     ``evaluate`` sampling, ``train``, ``train_output``, ``save``, ``eval_weights``: evaluation and export)."""
 
-    def __init__(self, args, role: str, **kwargs) -> None:
-        super().__init__(args, role, **kwargs)
-        self._log = Path(args.output_dir) / LOG_NAME
+    def __init__(self, spec, family, **kwargs) -> None:
+        super().__init__(spec, family, **kwargs)
+        self._log = Path(self.args.output_dir) / LOG_NAME
         self._log.parent.mkdir(parents=True, exist_ok=True)
         # Wrapped on the instance, so that the actor's remote sleep/wake and any wake from inside the trainer (the
         # group waking itself) are all written down.

@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 
 from miles.backends.fsdp_utils.export import write_pipeline
-from miles.backends.fsdp_utils.hooks import load_hooks
-from miles.backends.fsdp_utils.trainer import GroupTrainer, group_trainer_class, timed
+from miles.backends.fsdp_utils.frozen_trainer import FrozenGroupRunner
+from miles.backends.fsdp_utils.hooks import check_hooks
+from miles.backends.fsdp_utils.trainer import GroupTrainer, timed
+from miles.config import GroupSpec, RunSpec
 from miles.models.capabilities import decode_latents
-from miles.models.lora import lora_settings
 from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import ProcessGroupCollectives
 from miles.utils.device import worker_device
@@ -84,7 +85,8 @@ class FSDPTrainRayActor:
     """One rank of a trainer group. Construct empty; ``init`` does the work (so rank 0 can report its address)."""
 
     def __init__(self) -> None:
-        self.args = None
+        self.run: RunSpec | None = None
+        self.spec: GroupSpec | None = None
         self.role: str | None = None
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ class FSDPTrainRayActor:
 
     def init(
         self,
-        args,
+        run: RunSpec,
         role: str,
         master_addr: str,
         master_port: int,
@@ -106,49 +108,52 @@ class FSDPTrainRayActor:
         """Join the group's process group, build the group's trainer (models, optimizer), resume if asked.
 
         Args:
-            args: the group's args (``compute_trainer_args(args, trainer)``).
+            run: the run's specs; this rank reads its group's (``run.group(role)``) and, on the actor group, the
+                engine's.
             role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
             master_addr, master_port: rank 0's address (``get_master_addr_and_port``).
             rank, world_size: this rank and the group's data-parallel size.
             num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle (the groups of a
                 bundle train one at a time, so each may use all of them).
-            load_rollout_id: the committed rollout to resume from ``--load`` (the driver resolves it), or None.
+            load_rollout_id: the committed rollout to resume from its load directory (the driver resolves it), or
+                None.
 
         Returns:
             The first rollout id to train: 0, or ``load_rollout_id + 1``.
 
         Raises:
-            ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``
-                (raised on every rank before any collective).
+            ValueError: on an unset prepare/loss hook or a bad ``train_output_before_step`` (raised on every rank
+                before any collective).
             RuntimeError: if the checkpoint does not load or holds non-finite weights.
         """
-        setup_logging(args.log_level, worker=True)
-        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        setup_logging(run.log_level, worker=True)
+        spec = run.group(role)
+        self.run, self.spec, self.role, self.rank, self.world_size = run, spec, role, rank, world_size
         if num_threads:
             torch.set_num_threads(int(num_threads))
-        # Hooks first: a bad path fails on every rank alike, before anyone waits in a collective.
-        hooks = load_hooks(args)
-        trainer_class = group_trainer_class(args)
+        if spec.trains:
+            check_hooks(spec.hooks)  # an unset prepare or loss hook fails on every rank alike, before any collective
         self.device = worker_device()
         mesh, self.collectives = init_distributed(
-            self.device, f"tcp://{master_addr}:{master_port}", rank, world_size, args.distributed_timeout_minutes
+            self.device, f"tcp://{master_addr}:{master_port}", rank, world_size, run.distributed_timeout_minutes
         )
-        torch.manual_seed(args.seed)
-
-        from miles.models import get_model_family
-
-        self.family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
-        self.trainer: GroupTrainer = trainer_class(
-            args, role, family=self.family, device=self.device, collectives=self.collectives, mesh=mesh, hooks=hooks
-        )
+        torch.manual_seed(spec.seed)
+        # The family of the group's own pipeline (the critic's --critic-load); a frozen group's is the student's.
+        self.family = run.engine.make_family(spec.init)
+        options = dict(device=self.device, collectives=self.collectives, args=run.args, profile=run.profile)
+        if spec.trains:
+            trainer_class = spec.hooks.trainer or GroupTrainer
+            self.trainer = trainer_class(spec, self.family, mesh=mesh, **options)
+        else:
+            self.trainer = FrozenGroupRunner(spec, self.family, **options)
         self._generator: RolloutGenerator | None = None
         # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
         self._generated: tuple[int, str, list[TrainPair]] | None = None
         start_rollout_id = 0
         if load_rollout_id is not None:
-            # A frozen group (no --load of its own) resumes with the others at the same rollout.
-            if args.load:
-                self.trainer.load(args.load, load_rollout_id)
+            # A frozen group (no load directory of its own) resumes with the others at the same rollout.
+            if spec.checkpoint.load:
+                self.trainer.load(spec.checkpoint.load, load_rollout_id)
             start_rollout_id = load_rollout_id + 1
         logger.debug(
             "%s rank %d/%d ready on %s, starting at rollout %d", role, rank, world_size, self.device, start_rollout_id
@@ -177,9 +182,10 @@ class FSDPTrainRayActor:
         """The rollout generator on this rank's own student (built on first use)."""
         if self._generator is None:
             self._generator = RolloutGenerator(
-                self.args,
+                self.run.engine,
                 self.family,
                 self.trainer.models.denoiser,
+                args=self.run.args,
                 device=self.device,
                 collectives=self.collectives,
                 group=self.role,
@@ -204,7 +210,7 @@ class FSDPTrainRayActor:
         self.trainer.check_awake("generate", rollout_id)
         timers: dict[str, float] = {}
         shard = ray.get(shard_box.inner)
-        with profiled(self.args, self.role, self.rank, rollout_id, "generate"):
+        with profiled(self.run.profile, self.role, self.rank, rollout_id, "generate"):
             pairs = timed(timers, "generate_time", self.device, self.generator.generate, shard)
         box = Box(ray.put(pairs))
         self._generated = (rollout_id, box.inner.hex(), pairs)
@@ -347,19 +353,19 @@ class FSDPTrainRayActor:
                     f"refusing to export {self.role} weights with non-finite values to {out_dir} ({', '.join(bad[:3])})"
                 )
             write_pipeline(
-                Path(self.args.hf_checkpoint),
+                Path(self.spec.init),
                 Path(out_dir),
                 self.family,
                 state_dict,
                 schedule,
                 # A best export replaces only an earlier best export (its keep_best.json), or what the user allowed.
-                overwrite=self.args.overwrite_save_hf
+                overwrite=self.run.export.overwrite
                 or keep_best is not None
                 and (Path(out_dir) / KEEP_BEST_FILE).is_file(),
                 run_paths=run_paths or [],
-                lora=lora_settings(self.args),
+                lora=self.spec.lora,
                 # The best export holds the merged weights only; --save-hf-lora's adapter is the last export's.
-                save_lora=self.args.save_hf_lora and keep_best is None,
+                save_lora=self.run.export.save_lora and keep_best is None,
                 keep_best=keep_best,
                 name="--keep-best's export" if keep_best is not None else "--save-hf",
             )
@@ -375,9 +381,10 @@ class FSDPTrainRayActor:
         Raises:
             ValueError: if the group's ``--save`` is unset.
         """
-        if not self.args.save:
+        save = self.spec.checkpoint.save
+        if not save:
             raise ValueError(f"{self.role} group has no --save directory; pass --save to checkpoint")
-        return self.trainer.save(self.args.save, rollout_id, data_state)
+        return self.trainer.save(save, rollout_id, data_state)
 
     def sleep(self) -> float:
         """Move model shards and optimizer state to the CPU (no-op when asleep); returns the seconds it took."""

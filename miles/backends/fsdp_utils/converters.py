@@ -5,7 +5,7 @@ or wraps a module before ``fully_shard`` (LoRA adapters, low-precision layers, a
 which of the module's state a checkpoint keeps. A converter may freeze parameters (``requires_grad_(False)``): the
 optimizer, the EMA, the gradient clip and the checkpoint see only the parameters left trainable.
 
-A group's converters come from its args (:func:`build_converters`): gradient checkpointing and LoRA.
+A group's converters come from its spec (:func:`build_converters`): gradient checkpointing and LoRA.
 """
 
 from typing import Protocol
@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from miles.config import GroupSpec
 from miles.models.base import DENOISER
-from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, lora_settings
+from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter
 from miles.models.precision import cast_to_compute_dtype, resolve_dtype
 
 __all__ = [
@@ -97,14 +98,13 @@ class LoraAdapter:
         return f".{ADAPTER_NAME}." in key
 
 
-def build_converters(args) -> list[ModelConverter]:
-    """The converters a group's args ask for, in the order they apply: LoRA first (gradient checkpointing then
+def build_converters(spec: GroupSpec) -> list[ModelConverter]:
+    """The converters a group's spec asks for, in the order they apply: LoRA first (gradient checkpointing then
     wraps the blocks that hold the adapters)."""
     converters: list[ModelConverter] = []
-    settings = lora_settings(args)
-    if settings is not None:
-        converters.append(LoraAdapter(settings, resolve_dtype(args.train_dtype)))
-    if args.gradient_checkpointing:
+    if spec.lora is not None:
+        converters.append(LoraAdapter(spec.lora, resolve_dtype(spec.dtype)))
+    if spec.gradient_checkpointing:
         converters.append(GradientCheckpointing())
     return converters
 

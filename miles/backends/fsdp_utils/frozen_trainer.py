@@ -1,13 +1,17 @@
-"""``FrozenGroupTrainer``: a trainer group that trains nothing and only runs its train-output hook.
+"""``FrozenGroupRunner``: one rank of a trainer group that trains nothing and only runs its train-output hook.
 
 A frozen group (the DMD2 reward group, :mod:`~miles.backends.fsdp_utils.loss_hub.reward`) takes part in every rollout
 like any other group: it receives its rank's train pairs and the earlier groups' outputs, and its train-output hook's
 value reaches the later groups as ``ctx.external_data[role]``. It loads no denoiser, builds no optimizer, takes no
-step and has no checkpoint (its ``--save`` and ``--load`` are unset; the driver skips it when it saves and resumes).
-The model its hook runs (a reward model) belongs to the hook, which loads it on first use and keeps it.
+step and has no checkpoint (its spec has no model source, :attr:`miles.config.GroupSpec.trains` is False; the
+driver skips it when it saves and resumes). The model its hook runs (a reward model) belongs to the hook, which loads
+it on first use and keeps it.
 
-A method selects it for a group with ``custom_trainer_path`` and ``num_steps_per_rollout = 0`` among the group's
-overrides (:func:`miles.utils.trainer_config.trains`).
+It is a small class of its own beside :class:`~miles.backends.fsdp_utils.trainer.GroupTrainer`, not a subclass: the
+two share the functions that gather metrics and run the train-input hook
+(:func:`~miles.backends.fsdp_utils.trainer.reduce_step_metrics`, :func:`~miles.backends.fsdp_utils.trainer.run_train_input`),
+and the Ray shell asks either for what it needs (``train``, ``train_output``, ``check_awake``, ``sleeper``,
+``models``, ``gradient_bytes``).
 """
 
 import contextlib
@@ -17,13 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.hooks import TrainHooks, load_hooks
+from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.sleep import SleepController
-from miles.backends.fsdp_utils.trainer import GroupTrainer, host_means, timed
+from miles.backends.fsdp_utils.trainer import host_means, reduce_step_metrics, run_train_input, timed
+from miles.config import GroupSpec, ProfileSpec
 from miles.utils.collectives import Collectives
+from miles.utils.profiling import profiled
 from miles.utils.types import TrainPair
 
-__all__ = ["FrozenGroupTrainer", "FrozenModelSet"]
+__all__ = ["FrozenGroupRunner", "FrozenModelSet"]
 
 
 @dataclass
@@ -33,8 +39,6 @@ class FrozenModelSet:
 
     trainable: nn.ModuleDict = field(default_factory=nn.ModuleDict)
     frozen: dict[str, nn.Module] = field(default_factory=dict)
-    optimizer: None = None
-    ema: None = None
 
     @property
     def denoiser(self) -> nn.Module:
@@ -49,75 +53,118 @@ class FrozenModelSet:
     def modules(self) -> list[nn.Module]:
         return []
 
-    def states(self) -> dict:
-        return {}
-
-    def reshard(self) -> None:
-        return None
-
     def memory_bytes(self, gradient_bytes: int = 0) -> dict[str, int]:
         return {"parameters": 0, "gradients": 0, "optimizer": 0, "frozen": 0}
 
 
-class FrozenGroupTrainer(GroupTrainer):
+class FrozenGroupRunner:
     """One rank of a frozen group: :meth:`train` runs the train-output hook once per rollout, nothing else.
 
-    Args: as :class:`~miles.backends.fsdp_utils.trainer.GroupTrainer` (``mesh`` and ``converters`` are ignored).
+    Args:
+        spec: the group's spec; its ``hooks.train_output`` (and ``hooks.train_input``, if any) run, its
+            ``micro_batch_size`` and ``dtype`` reach the hook through ``ctx``.
+        family: the model family instance (``ctx.family``: the reward hook decodes with it).
+        device: where the hook runs.
+        collectives: the group's collectives.
+        args: the command's parsed flags, for the hooks only (``ctx.args``).
+        profile: the ``--profile-rollouts`` range and directory, or None.
 
     Raises:
-        ValueError: if the group has no ``--custom-train-output-function-path`` (it would do nothing), or on a bad
-            hook path.
+        ValueError: if the group has no train-output hook (it would do nothing) or trains (its spec has a model
+            source: a :class:`~miles.backends.fsdp_utils.trainer.GroupTrainer` runs it).
     """
 
-    # mesh and converters (GroupTrainer's other keywords) shard and change a denoiser this group does not hold.
-    def __init__(self, args, role: str, *, family: Any, device: torch.device, collectives: Collectives,
-                 hooks: TrainHooks | None = None, **unused: Any) -> None:  # fmt: skip
-        self.args, self.role, self.family, self.device = args, role, family, device
-        self.collectives = collectives
+    def __init__(
+        self,
+        spec: GroupSpec,
+        family: Any,
+        *,
+        device: torch.device,
+        collectives: Collectives,
+        args: Any = None,
+        profile: ProfileSpec | None = None,
+    ) -> None:
+        if spec.trains:
+            raise ValueError(f"the {spec.role} group trains {spec.init}; a GroupTrainer runs it, not a frozen runner")
+        if spec.hooks.train_output is None:
+            raise ValueError(
+                f"the frozen {spec.role} group needs --custom-train-output-function-path; it trains nothing"
+            )
+        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
+        self.args, self.profile, self.collectives = args, profile, collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
-        self.hooks = hooks if hooks is not None else load_hooks(args)
-        if self.hooks.train_output is None:
-            raise ValueError(f"the frozen {role} group needs --custom-train-output-function-path; it trains nothing")
-        self.output_before = None
-        self.dtype = torch.float32
+        self.hooks = spec.hooks
         self.models = FrozenModelSet()
-        self.post_step_hooks = []
-        self.ema_for_eval = False
         self.sleeper = SleepController([], None, device)
-        self.max_skipped_steps = args.max_skipped_steps
-        self.skipped_in_a_row = self.skipped_total = self.gradient_bytes = 0
-        self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
+        self.gradient_bytes = 0  # no gradient is ever held
+
+    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
+        """Refuse to compute while asleep (only the driver wakes a group).
+
+        Raises:
+            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
+        """
+        if self.sleeper.asleep:
+            when = "" if rollout_id is None else f" (rollout {rollout_id})"
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
+
+    def context(self, rollout_id: int | str, external: dict[str, Any]) -> TrainContext:
+        """What the hooks see: no models, float32 (the hook chooses its own dtypes)."""
+        return TrainContext(
+            args=self.args,
+            models={},
+            teacher_models={},
+            external_data=external,
+            family=self.family,
+            device=self.device,
+            dtype=torch.float32,
+            rollout_id=rollout_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+        )
 
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
     ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
         """Run the train-output hook on this rank's pairs. Returns ``(output, metrics, timers)`` as
         :meth:`GroupTrainer.train` does: the hook's figures as one record (rank 0; ``[]`` when it logs none) and
-        ``train_output_time``."""
-        if self.sleeper.asleep:
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before train (rollout {rollout_id})")
-        if self.hooks.train_input is not None:
-            pairs = self._train_input(rollout_id, pairs, external)
-        timers = {"train_output_time": 0.0}
-        self._output_metrics = {}
-        output = timed(timers, "train_output_time", self.device, self.train_output, rollout_id, external, pairs)
-        record = host_means(self._output_metrics)
-        return output, self.reduce_metrics([record] if record else []), timers
+        ``train_output_time``.
+
+        Raises:
+            RuntimeError: if the group is asleep.
+        """
+        self.check_awake("train", rollout_id)
+        with profiled(self.profile, self.role, self.rank, rollout_id, "train"):
+            if self.hooks.train_input is not None:
+                pairs = run_train_input(
+                    self.hooks, self.context(rollout_id, external), pairs, self.collectives, self.role
+                )
+            timers = {"train_output_time": 0.0}
+            figures: dict[str, list[float | torch.Tensor]] = {}
+            output = timed(
+                timers, "train_output_time", self.device, self._output, rollout_id, external, pairs, figures
+            )
+            record = host_means(figures)
+            return output, reduce_step_metrics(self.collectives, self.role, [record] if record else []), timers
 
     def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
-        """The train-output hook under no grad (a hook that needs a gradient enables it itself)."""
-        ctx = self.context(rollout_id, external, 0)
-        ctx.metrics = self._output_metrics
+        """The train-output hook alone (an evaluation's probe), its figures dropped."""
+        return self._output(rollout_id, external, pairs, {})
+
+    def _output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair], figures: dict) -> Any:
+        ctx = self.context(rollout_id, external)
+        ctx.metrics = figures
+        # Under no grad as every train-output hook; a hook that needs a gradient enables it itself.
         with torch.no_grad():
             return self.hooks.train_output(ctx, pairs)
-
-    def step(self, *args, **kwargs):
-        raise RuntimeError(f"the frozen {self.role} group takes no optimizer step")
 
     @contextlib.contextmanager
     def inference(self):
         raise RuntimeError(f"the frozen {self.role} group holds no denoiser to sample with")
         yield  # pragma: no cover
+
+    def eval_weights(self):
+        return contextlib.nullcontext()
 
     def save(self, save_dir: str, rollout_id: int, data_state: Any = None) -> str:
         raise RuntimeError(f"the frozen {self.role} group has no trainable state to checkpoint")

@@ -1,62 +1,44 @@
-"""A trainer group's hooks: loading them from their dotted paths, and checking what they return.
+"""A trainer group's hooks: checking that it has them, and what they return.
 
-The trainer (:class:`miles.backends.fsdp_utils.trainer.GroupTrainer`) calls the prepare, loss, train-input and
+The hooks themselves are functions a group's spec holds (:class:`miles.config.GroupHooks`, imported once by the
+driver). The trainer (:class:`miles.backends.fsdp_utils.trainer.GroupTrainer`) calls the prepare, loss, train-input and
 train-output hooks of its group (docs/customization.md); a hook that returns the wrong thing fails here, with the
 hook's path in the message, instead of deep inside the backward.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch
-from miles.utils.misc import load_function
+from miles.config import GroupHooks
 from miles.utils.types import TrainPair
 from miles.utils.validation import HookResultError
 
 __all__ = [
-    "TrainHooks",
+    "check_hooks",
     "check_loss",
     "check_prepared",
     "check_train_input",
-    "load_hooks",
     "metric_key",
     "split_windows",
 ]
 
 
-@dataclass
-class TrainHooks:
-    """The hooks of one trainer group, loaded from their dotted paths (see docs/customization.md)."""
-
-    prepare: Callable
-    loss: Callable
-    train_input: Callable | None = None
-    train_output: Callable | None = None
-
-
-def load_hooks(args) -> TrainHooks:
-    """Load ``--custom-{prepare-train-batch,loss-function,train-input-function,train-output-function}-path``.
+def check_hooks(hooks: GroupHooks) -> GroupHooks:
+    """A training group's hooks: its prepare and loss hooks are set.
 
     Raises:
-        ValueError: if the prepare or loss path is unset (``--loss-type`` fills them for sft_loss and dmd2), or a
-            path does not import (the message names the path and what failed).
+        ValueError: naming the flag, if the prepare or loss hook is unset (``--loss-type`` sets them for sft_loss and
+            dmd2).
     """
     for flag, value in (
-        ("--custom-prepare-train-batch-path", args.custom_prepare_train_batch_path),
-        ("--custom-loss-function-path", args.custom_loss_function_path),
+        ("--custom-prepare-train-batch-path", hooks.prepare),
+        ("--custom-loss-function-path", hooks.loss),
     ):
-        if not value:
+        if value is None:
             raise ValueError(f"{flag} is unset; pass a hook path or a --loss-type that fills it (sft_loss, dmd2)")
-    train_input, train_output = args.custom_train_input_function_path, args.custom_train_output_function_path
-    return TrainHooks(
-        prepare=load_function(args.custom_prepare_train_batch_path),
-        loss=load_function(args.custom_loss_function_path),
-        train_input=load_function(train_input) if train_input else None,
-        train_output=load_function(train_output) if train_output else None,
-    )
+    return hooks
 
 
 def metric_key(role: str, name: str) -> str:

@@ -3,17 +3,18 @@
 ``build_model_set`` loads, in this order (the global RNG is seeded before, so a method's randomly initialised
 module is the same on every rank and every run):
 
-1. the trainable denoiser of ``--hf-checkpoint`` (float32 master weights), built on the meta device, changed by the
+1. the trainable denoiser of the group's model source (``GroupSpec.init``: ``--hf-checkpoint``, the critic's
+   ``--critic-load``; float32 master weights), built on the meta device, changed by the
    group's converters, sharded over the mesh, and only then read from its files, each rank its own shards
    (:mod:`miles.backends.fsdp_utils.model`); with ``--lora-rank`` a frozen base in the compute dtype and float32
    adapters;
-2. the frozen teacher of ``--teacher-load``, if any, in the compute dtype; when the group's denoiser is a LoRA on
+2. the frozen teacher (``GroupSpec.teacher``), if any, in the compute dtype; when the group's denoiser is a LoRA on
    the teacher's own weights (the DMD2 critic with ``--critic-lora-rank``), no second copy: the teacher is the
    denoiser with its adapters disabled (:class:`miles.models.lora.AdaptersDisabled`), one base per group;
-3. the modules a method builds on the denoiser (``--custom-build-modules-path``: the DMD2 GAN's discriminator head),
+3. the modules a method builds on the denoiser (its ``build_modules`` hook: the DMD2 GAN's discriminator head),
    converted and sharded like the denoiser;
 
-then one AdamW over every trainable parameter, its LR schedule, and the EMA (``--ema-decay``). Parameters a converter
+then one AdamW over every trainable parameter, its LR schedule, and the EMA (the spec's). Parameters a converter
 froze are left out of the optimizer, the EMA, the gradient clip and (as the converter says) the checkpoint.
 """
 
@@ -33,8 +34,8 @@ from miles.backends.fsdp_utils.converters import ModelConverter, keeps_in_checkp
 from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.config import GroupSpec, hook_name
 from miles.models.lora import AdaptersDisabled
-from miles.utils.misc import load_function
 from miles.utils.validation import HookResultError
 
 __all__ = ["DENOISER", "ModelSet", "build_model_set", "local_bytes", "shares_teacher_base"]
@@ -132,17 +133,19 @@ class ModelSet:
 
 
 def _built_modules(
-    args,
+    spec: GroupSpec,
+    args: Any,
     denoiser: nn.Module,
     converters: list[ModelConverter],
     device: torch.device,
     dtype: torch.dtype,
     mesh: DeviceMesh | None,
 ) -> dict[str, nn.Module]:
-    """Call ``--custom-build-modules-path`` (``fn(args, models) -> {name: nn.Module}``) on the loaded denoiser, then
-    convert, place and shard each module it returns like the denoiser (one FSDP unit each)."""
-    path = args.custom_build_modules_path
-    built = load_function(path)(args, {DENOISER: denoiser})
+    """Call the group's module builder (``fn(args, models) -> {name: nn.Module}``, ``--custom-build-modules-path``)
+    on the loaded denoiser, then convert, place and shard each module it returns like the denoiser (one FSDP unit
+    each)."""
+    path = hook_name(spec.hooks.build_modules)
+    built = spec.hooks.build_modules(args, {DENOISER: denoiser})
     if not isinstance(built, dict) or not all(
         isinstance(name, str) and isinstance(module, nn.Module) for name, module in built.items()
     ):
@@ -164,62 +167,63 @@ def _built_modules(
                 [],
                 mesh,
                 dtype,
-                reshard_after_forward=args.fsdp_reshard_every_microbatch,
+                reshard_after_forward=spec.reshard_every_microbatch,
                 cast_forward_inputs=True,
             )
     return built
 
 
-def shares_teacher_base(args, converters: list[ModelConverter]) -> bool:
-    """Whether the group's denoiser is a LoRA on the teacher's weights (``--hf-checkpoint`` is ``--teacher-load``),
-    so that the teacher is its base with the adapters disabled instead of a second loaded copy."""
-    if lora_converter(converters) is None or not args.teacher_load:
+def shares_teacher_base(spec: GroupSpec, converters: list[ModelConverter]) -> bool:
+    """Whether the group's denoiser is a LoRA on the teacher's weights (its init is its teacher), so that the
+    teacher is its base with the adapters disabled instead of a second loaded copy."""
+    if lora_converter(converters) is None or not spec.teacher:
         return False
-    return os.path.realpath(args.hf_checkpoint) == os.path.realpath(args.teacher_load)
+    return os.path.realpath(spec.init) == os.path.realpath(spec.teacher)
 
 
 def build_model_set(
-    args,
+    spec: GroupSpec,
     family: Any,
     device: torch.device,
     dtype: torch.dtype,
     mesh: DeviceMesh | None,
     converters: list[ModelConverter],
+    args: Any = None,
 ) -> ModelSet:
     """Load and build a group's model set (module docstring).
 
     Args:
-        args: the group's args: ``hf_checkpoint``, ``teacher_load``, ``custom_build_modules_path``, the optimizer's
-            and schedule's flags, ``ema_decay`` (with ``ema_min_decay`` and ``ema_update_after_step``),
-            ``fsdp_reshard_every_microbatch``, ``num_rollout`` and ``num_steps_per_rollout`` (the schedule's horizon).
+        spec: the group's spec: ``init``, ``teacher``, its module builder (``hooks.build_modules``), optimizer,
+            schedule and EMA, ``reshard_every_microbatch``.
         mesh: the group's 1-D data-parallel mesh; None for a group of one (nothing is wrapped).
         converters: applied to every trainable module before sharding, in order.
+        args: the command's flags, the module builder's first argument (its documented signature).
 
     Raises:
         HookResultError / ValueError: for a module builder that returns something else than named modules.
         ValueError: if no parameter is left trainable.
     """
     # Gathered through each phase, reduce-scattered once per optimizer step (see model.py), unless memory is short.
-    reshard_after_forward = args.fsdp_reshard_every_microbatch
+    reshard_after_forward = spec.reshard_every_microbatch
     denoiser = load_trainable_denoiser(
-        family, args.hf_checkpoint, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
+        family, spec.init, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
     )
     frozen = {}
-    if args.teacher_load and shares_teacher_base(args, converters):
+    if spec.teacher and shares_teacher_base(spec, converters):
         frozen[DENOISER] = AdaptersDisabled(denoiser)
-    elif args.teacher_load:
+    elif spec.teacher:
         frozen[DENOISER] = load_frozen_denoiser(
-            family, args.teacher_load, mesh, device, dtype, reshard_after_forward=reshard_after_forward
+            family, spec.teacher, mesh, device, dtype, reshard_after_forward=reshard_after_forward
         )
     trainable = nn.ModuleDict({DENOISER: denoiser})
-    if args.custom_build_modules_path:
-        for name, module in _built_modules(args, denoiser, converters, device, dtype, mesh).items():
+    if spec.hooks.build_modules is not None:
+        for name, module in _built_modules(spec, args, denoiser, converters, device, dtype, mesh).items():
             trainable[name] = module
-    optimizer = build_optimizer(list(trainable.values()), args)
-    scheduler = build_lr_scheduler(optimizer, args, args.num_rollout * args.num_steps_per_rollout)
+    optimizer = build_optimizer(list(trainable.values()), spec.optimizer)
+    scheduler = build_lr_scheduler(optimizer, spec.schedule, spec.optimizer.lr)
     ema = None
-    if args.ema_decay:
+    if spec.ema is not None:
         ema = ParameterEMA(
-            trainable, args.ema_decay, min_decay=args.ema_min_decay, update_after_step=args.ema_update_after_step
+            trainable, spec.ema.decay, min_decay=spec.ema.min_decay, update_after_step=spec.ema.update_after_step
         )
     return ModelSet(trainable, frozen, optimizer, scheduler, ema, list(converters))

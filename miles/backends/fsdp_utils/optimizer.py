@@ -13,9 +13,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.lr_scheduler import LambdaLR
 
+from miles.config import OptimizerSpec, ScheduleSpec
+
 __all__ = [
     "LR_DECAY_STYLES",
-    "apply_optimizer_args",
+    "apply_optimizer_spec",
     "build_optimizer",
     "build_lr_scheduler",
     "clip_grad_norm_",
@@ -25,10 +27,9 @@ __all__ = [
 LR_DECAY_STYLES = ("constant", "cosine")
 
 
-def build_optimizer(models: list[nn.Module], args) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters of ``models``.
-
-    Reads ``--lr``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps`` and ``--weight-decay``. FSDP2 parameters are
+def build_optimizer(models: list[nn.Module], spec: OptimizerSpec) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters of ``models`` at the spec's learning rate, betas, epsilon and weight
+    decay (``--lr``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--weight-decay``). FSDP2 parameters are
     DTensors; AdamW keeps its state sharded like them. The multi-tensor (``foreach``) update is the same math as the
     per-tensor one (a test pins them to 1e-6).
 
@@ -40,10 +41,10 @@ def build_optimizer(models: list[nn.Module], args) -> torch.optim.AdamW:
         raise ValueError("the trainable model has no parameter with requires_grad=True; check --hf-checkpoint")
     return torch.optim.AdamW(
         params,
-        lr=args.lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
         # foreach=None falls back to the per-tensor loop for DTensor parameters (on CPU and CUDA alike): one
         # dispatch per op per tensor, 20% of a critic rank's time measured here. torchtitan passes foreach=True too.
         foreach=True,
@@ -73,39 +74,37 @@ def lr_factor(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_s
     return value / lr
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) -> LambdaLR:
-    """A ``LambdaLR`` of :func:`lr_factor` with ``--lr``, ``--min-lr``, ``--lr-warmup-steps``, ``--lr-decay-style``.
-
-    Args:
-        total_steps: the run's optimizer steps, ``num_rollout · num_steps_per_rollout`` (the cosine horizon).
-    """
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, lr: float) -> LambdaLR:
+    """A ``LambdaLR`` of :func:`lr_factor` for the group's learning rate ``lr`` and its schedule (``--min-lr``,
+    ``--lr-warmup-steps``, ``--lr-decay-style``, and the horizon: the run's optimizer steps,
+    ``num_rollout · steps per rollout``)."""
     factor = partial(
         lr_factor,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        warmup_steps=args.lr_warmup_steps,
-        decay_style=args.lr_decay_style,
-        total_steps=total_steps,
+        lr=lr,
+        min_lr=schedule.min_lr,
+        warmup_steps=schedule.warmup_steps,
+        decay_style=schedule.decay_style,
+        total_steps=schedule.total_steps,
     )
     return LambdaLR(optimizer, factor)
 
 
-def apply_optimizer_args(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, args) -> None:
+def apply_optimizer_spec(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, spec: OptimizerSpec) -> None:
     """After a checkpoint load: give the optimizer and its schedule this command's settings.
 
     ``load_state_dict`` restores every param group's ``lr``, ``initial_lr``, ``betas``, ``eps`` and
     ``weight_decay``, and the schedule's ``base_lrs``, as the earlier run had them, so a resume with a new ``--lr`` or
-    ``--weight-decay`` would keep the old values without a word. This sets them from ``args`` (the group's: the
-    critic's ``--lr`` is ``--critic-lr``) and recomputes the current ``lr`` of the schedule's position. With the
-    same settings it changes nothing: the values equal the loaded ones bit for bit. The schedule's factor (warmup,
-    decay style, ``--min-lr``, horizon) is rebuilt from ``args`` by :func:`build_lr_scheduler` already.
+    ``--weight-decay`` would keep the old values without a word. This sets them from the group's spec (the critic's
+    learning rate is ``--critic-lr``) and recomputes the current ``lr`` of the schedule's position. With the same
+    settings it changes nothing: the values equal the loaded ones bit for bit. The schedule's factor (warmup, decay
+    style, ``--min-lr``, horizon) is rebuilt from the spec by :func:`build_lr_scheduler` already.
     """
     for group in optimizer.param_groups:
-        group["betas"] = (args.adam_beta1, args.adam_beta2)
-        group["eps"] = args.adam_eps
-        group["weight_decay"] = args.weight_decay
-        group["initial_lr"] = args.lr
-    scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
+        group["betas"] = tuple(spec.betas)
+        group["eps"] = spec.eps
+        group["weight_decay"] = spec.weight_decay
+        group["initial_lr"] = spec.lr
+    scheduler.base_lrs = [spec.lr for _ in optimizer.param_groups]
     lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr

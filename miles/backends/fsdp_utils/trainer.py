@@ -33,26 +33,32 @@ from torch.distributed.tensor import DTensor
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.converters import ModelConverter, build_converters
 from miles.backends.fsdp_utils.hooks import (
-    TrainHooks,
+    check_hooks,
     check_loss,
     check_prepared,
     check_train_input,
-    load_hooks,
     metric_key,
     split_windows,
 )
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.model import compute_context, resolve_dtype, window_sync
 from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local_bytes
-from miles.backends.fsdp_utils.optimizer import apply_optimizer_args, clip_grad_norm_
+from miles.backends.fsdp_utils.optimizer import apply_optimizer_spec, clip_grad_norm_
 from miles.backends.fsdp_utils.sleep import SleepController
+from miles.config import GroupHooks, GroupSpec, ProfileSpec, hook_name
 from miles.utils.collectives import Collectives, check_equal_counts
-from miles.utils.misc import load_function
 from miles.utils.profiling import profiled
 from miles.utils.types import TrainPair
 from miles.utils.validation import HookResultError, NonFiniteError, NonFiniteWeightsError
 
-__all__ = ["GroupTrainer", "group_trainer_class", "host_means", "host_values", "timed"]
+__all__ = [
+    "GroupTrainer",
+    "host_means",
+    "host_values",
+    "reduce_step_metrics",
+    "run_train_input",
+    "timed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,57 +134,104 @@ def host_means(figures: dict[str, Any]) -> dict[str, float]:
     return {name: sum(items) / len(items) for name, items in host_values(figures).items() if items}
 
 
+def reduce_step_metrics(
+    collectives: Collectives, role: str, step_metrics: list[dict[str, float]]
+) -> list[dict[str, float]]:
+    """Average each step's metrics over the DP ranks under their ``train/`` keys (:func:`metric_key`): one gather
+    per rollout, the result on rank 0 only (``[]`` elsewhere)."""
+    gathered = collectives.gather_objects(step_metrics)
+    if collectives.rank != 0:
+        return []
+    reduced = []
+    for steps in zip(*gathered):
+        names = sorted({name for rank_metrics in steps for name in rank_metrics})
+        row = {}
+        for name in names:
+            values = [rank_metrics[name] for rank_metrics in steps if name in rank_metrics]
+            row[metric_key(role, name)] = sum(values) / len(values)
+        reduced.append(row)
+    return reduced
+
+
+def run_train_input(
+    hooks: GroupHooks, ctx: TrainContext, pairs: list[TrainPair], collectives: Collectives, role: str
+) -> list[TrainPair]:
+    """The train-input hook on this rank's pairs, checked (:func:`check_train_input`); every rank then agrees that
+    they all hold as many pairs as before (one collective, also when this rank's hook failed).
+
+    Raises:
+        HookResultError: on every rank, naming the hook, when it returned something else on any rank.
+    """
+    received = len(pairs)
+    pairs = hooks.train_input(ctx, pairs)
+    path = hook_name(hooks.train_input)
+    problem = None
+    try:
+        check_train_input(pairs, path, received)
+    except HookResultError as exc:
+        problem = exc
+    count = len(pairs) if problem is None else 0
+    check_equal_counts(collectives, count, f"train-input hook {path}", role, problem)
+    return pairs
+
+
 class GroupTrainer:
     """One rank of a trainer group: its model set, hooks and window loop.
 
     Args:
-        args: the group's args (``compute_trainer_args(args, trainer)``).
-        role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
-        family: the model family (loading, the velocity forward).
+        spec: the group's spec (:class:`miles.config.GroupSpec`): its models, optimizer, schedule, EMA, steps,
+            micro-batch, dtype and hooks. The trainer reads nothing else.
+        family: the model family instance (loading, the velocity forward).
         device: where the models train.
         collectives: the group's collectives (``LocalCollectives`` for a group of one).
         mesh: the group's 1-D data-parallel mesh, or None for a group of one (nothing is sharded).
-        hooks: the group's hooks; default loaded from the args' paths.
+        args: the command's parsed flags, handed to the hooks only (``ctx.args``, the module builder's first
+            argument; :attr:`miles.config.RunSpec.args`); None for hooks that read none.
         converters: changes applied to the trainable modules before sharding; default :func:`build_converters`.
+        profile: the ``--profile-rollouts`` range and directory, or None.
 
     Raises:
-        ValueError: on a bad hook path, an unset prepare/loss hook or a bad ``train_output_before_step``.
+        ValueError: on an unset prepare/loss hook, a spec without a model source (a frozen group) or a bad
+            ``train_output_before_step``.
         RuntimeError: if a model does not load.
     """
 
     def __init__(
         self,
-        args,
-        role: str,
-        *,
+        spec: GroupSpec,
         family: Any,
+        *,
         device: torch.device,
         collectives: Collectives,
         mesh=None,
-        hooks: TrainHooks | None = None,
+        args: Any = None,
         converters: list[ModelConverter] | None = None,
+        profile: ProfileSpec | None = None,
     ) -> None:
-        self.args, self.role, self.family, self.device = args, role, family, device
+        if not spec.trains:
+            raise ValueError(f"the {spec.role} group's spec has no model source: it is frozen (FrozenGroupRunner)")
+        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
+        self.args, self.profile = args, profile
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
-        self.hooks = hooks if hooks is not None else load_hooks(args)
-        self.output_before = args.train_output_before_step
-        if self.output_before is not None and not 0 <= self.output_before < args.num_steps_per_rollout:
+        self.hooks = check_hooks(spec.hooks)
+        self.output_before = spec.train_output_before_step
+        if self.output_before is not None and not 0 <= self.output_before < spec.steps_per_rollout:
             raise ValueError(
-                f"train_output_before_step={self.output_before} must index one of the {args.num_steps_per_rollout} "
+                f"train_output_before_step={self.output_before} must index one of the {spec.steps_per_rollout} "
                 "optimizer steps of a rollout"
             )
-        self.dtype = resolve_dtype(args.train_dtype)
-        self.sync_every_microbatch = args.fsdp_reshard_every_microbatch
-        converters = build_converters(args) if converters is None else converters
-        self.models: ModelSet = build_model_set(args, family, device, self.dtype, mesh, converters)
+        self.dtype = resolve_dtype(spec.dtype)
+        self.sync_every_microbatch = spec.reshard_every_microbatch
+        converters = build_converters(spec) if converters is None else converters
+        self.models: ModelSet = build_model_set(spec, family, device, self.dtype, mesh, converters, args)
         # Run after every optimizer step that was taken (not after a skipped one), in order.
         self.post_step_hooks: list[Callable[[], None]] = []
         if self.models.ema is not None:
             self.post_step_hooks.append(self.models.ema.update)
-        self.ema_for_eval = self.models.ema is not None and args.ema_for_eval
+        self.ema_for_eval = self.models.ema is not None and spec.ema.for_eval
         self.sleeper = SleepController(self.models.modules(), self.models.optimizer, device, ema=self.models.ema)
-        self.max_skipped_steps = args.max_skipped_steps
+        self.max_skipped_steps = spec.optimizer.max_skipped_steps
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.gradient_bytes = 0
@@ -232,7 +285,7 @@ class GroupTrainer:
             NonFiniteError: after ``--max-skipped-steps`` non-finite steps in a row.
         """
         self.check_awake("train", rollout_id)
-        with profiled(self.args, self.role, self.rank, rollout_id, "train"):
+        with profiled(self.profile, self.role, self.rank, rollout_id, "train"):
             return self._train(rollout_id, pairs, external)
 
     def _train(
@@ -240,7 +293,7 @@ class GroupTrainer:
     ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
         if self.hooks.train_input is not None:
             pairs = self._train_input(rollout_id, pairs, external)
-        windows = split_windows(pairs, self.args.num_steps_per_rollout, self.args.micro_batch_size)
+        windows = split_windows(pairs, self.spec.steps_per_rollout, self.spec.micro_batch_size)
         timers = {"train_steps_time": 0.0, "train_output_time": 0.0}
         self._output_metrics = {}
         output, output_done = None, self.hooks.train_output is None
@@ -265,17 +318,8 @@ class GroupTrainer:
         return output, self.reduce_metrics(step_metrics), timers
 
     def _train_input(self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]) -> list[TrainPair]:
-        received = len(pairs)
-        pairs = self.hooks.train_input(self.context(rollout_id, external, 0), pairs)
-        path = self.args.custom_train_input_function_path
-        problem = None
-        try:
-            check_train_input(pairs, path, received)
-        except HookResultError as exc:
-            problem = exc
-        count = len(pairs) if problem is None else 0
-        check_equal_counts(self.collectives, count, f"train-input hook {path}", self.role, problem)
-        return pairs
+        ctx = self.context(rollout_id, external, 0)
+        return run_train_input(self.hooks, ctx, pairs, self.collectives, self.role)
 
     def step(
         self, rollout_id: int, external: dict[str, Any], micro_batches: list[list[TrainPair]], first_microbatch_id: int
@@ -287,20 +331,19 @@ class GroupTrainer:
         A method whose update needs more than the backward of a summed loss (a JVP method such as sCM) overrides
         this and ends with :meth:`apply_gradients` too, so clipping, the non-finite skip and the post-step hooks
         stay the trainer's."""
-        args = self.args
         window_pairs = sum(len(mb) for mb in micro_batches)
         # Filled by the loss hook with per-pair tensors; moved to the host once, in apply_gradients.
         hook_metrics: dict[str, list[float | torch.Tensor]] = {}
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self.context(rollout_id, external, first_microbatch_id + j)
-            prepared = check_prepared(self.hooks.prepare(ctx, micro_batch), args.custom_prepare_train_batch_path)
+            prepared = check_prepared(self.hooks.prepare(ctx, micro_batch), hook_name(self.hooks.prepare))
             if not self.sync_every_microbatch:
                 for module in self.models.trainable.values():
                     window_sync(module, last_micro_batch=j == len(micro_batches) - 1)
             if prepared.component not in ctx.models:
                 raise HookResultError(
-                    f"prepare hook {args.custom_prepare_train_batch_path} asked for component "
+                    f"prepare hook {hook_name(self.hooks.prepare)} asked for component "
                     f"{prepared.component!r}; this group trains {sorted(ctx.models)}"
                 )
             model = ctx.models[prepared.component]
@@ -308,7 +351,7 @@ class GroupTrainer:
                 new_pred = ctx.predict_velocity(model, prepared.latents, prepared.timestep, prepared.cond)
                 loss_sum = check_loss(
                     self.hooks.loss(ctx, micro_batch, prepared, new_pred=new_pred, metrics=hook_metrics),
-                    args.custom_loss_function_path,
+                    hook_name(self.hooks.loss),
                 )
             # The hook returns a sum over pairs; dividing by the window's count makes the step the window mean.
             (loss_sum / window_pairs).backward()
@@ -378,7 +421,7 @@ class GroupTrainer:
         (left there: :meth:`apply_gradients` reads it with the window's other figures); clips to ``--clip-grad`` > 0
         (:func:`~miles.backends.fsdp_utils.optimizer.clip_grad_norm_`)."""
         grads = [p.grad for p in self.models.trainable_parameters() if p.grad is not None]
-        return clip_grad_norm_(grads, self.args.clip_grad)
+        return clip_grad_norm_(grads, self.spec.optimizer.clip_grad)
 
     def train_output(self, rollout_id: int | str, external: dict[str, Any], pairs: list[TrainPair]) -> Any:
         """Run the train-output hook on this rank's pairs under no grad (its figures join the last step's)."""
@@ -391,20 +434,8 @@ class GroupTrainer:
             self.models.reshard()
 
     def reduce_metrics(self, step_metrics: list[dict[str, float]]) -> list[dict[str, float]]:
-        """Average each step's metrics over the DP ranks under their ``train/`` keys: one gather per rollout, the
-        result on rank 0 only (``[]`` elsewhere)."""
-        gathered = self.collectives.gather_objects(step_metrics)
-        if self.rank != 0:
-            return []
-        reduced = []
-        for steps in zip(*gathered):
-            names = sorted({name for rank_metrics in steps for name in rank_metrics})
-            row = {}
-            for name in names:
-                values = [rank_metrics[name] for rank_metrics in steps if name in rank_metrics]
-                row[metric_key(self.role, name)] = sum(values) / len(values)
-            reduced.append(row)
-        return reduced
+        """Average each step's metrics over the DP ranks (:func:`reduce_step_metrics`), on rank 0 only."""
+        return reduce_step_metrics(self.collectives, self.role, step_metrics)
 
     # -- weights -------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -464,21 +495,5 @@ class GroupTrainer:
         """
         checkpoint.load_checkpoint(load_dir, rollout_id, self.models.states())
         # A resume may change --lr, --weight-decay, the betas: the loaded state holds the earlier run's.
-        apply_optimizer_args(self.models.optimizer, self.models.scheduler, self.args)
+        apply_optimizer_spec(self.models.optimizer, self.models.scheduler, self.spec.optimizer)
         self.check_finite_weights(f"the {self.role} checkpoint of rollout {rollout_id} in {load_dir}")
-
-
-def group_trainer_class(args) -> type[GroupTrainer]:
-    """``--custom-trainer-path`` (a ``GroupTrainer`` subclass, e.g. one whose :meth:`~GroupTrainer.step` a method
-    rewrote), default ``GroupTrainer``.
-
-    Raises:
-        ValueError: naming the path, if it does not import or is not a ``GroupTrainer`` subclass.
-    """
-    path = args.custom_trainer_path
-    if not path:
-        return GroupTrainer
-    cls = load_function(path)
-    if not (isinstance(cls, type) and issubclass(cls, GroupTrainer)):
-        raise ValueError(f"--custom-trainer-path {path} is {cls!r}, not a subclass of {GroupTrainer.__qualname__}")
-    return cls

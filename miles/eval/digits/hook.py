@@ -351,9 +351,9 @@ def digits_eval_hook(args: Any, images: Any, records: list[dict], rollout_id: in
     labels = np.repeat([_record_label(record, i) for i, record in enumerate(records)], len(images) // len(records))
     meta = {
         "model": "student",
-        "sampler": getattr(args, "diffusion_step_rule", None),
-        "steps": getattr(args, "diffusion_num_steps", None),
-        "guidance_scale": getattr(args, "diffusion_guidance_scale", None),
+        "sampler": args.diffusion_step_rule,
+        "steps": args.diffusion_num_steps,
+        "guidance_scale": args.diffusion_guidance_scale,
         "rollout_id": int(rollout_id),
     }
     name = f"rollout_{rollout_id}"

@@ -22,7 +22,6 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
 from miles.backends.fsdp_utils.loss_hub.sft import sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.driver.arguments import parse_args
-from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
 from miles.models.base import read_scheduler_config
 from miles.models.digits import init_digits_pipeline
@@ -31,7 +30,7 @@ from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.data_source import make_prompt_shard
 from miles.rollout.engine import RolloutEngine
 from miles.rollout.step_strategy_hub import stop_at_random_step
-from miles.utils.trainer_config import compute_trainer_args
+from tests.support.trainer import run_spec
 
 REPO = Path(__file__).resolve().parents[3]
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -67,7 +66,8 @@ def pipeline(tmp_path_factory):
 
 
 def miles_args(pipeline):
-    """The dmd2 run the benchmark launches, parsed by miles: (run args, critic group args, actor group args)."""
+    """The dmd2 run the benchmark launches, parsed by miles: (run args, critic group spec, actor group spec); the
+    hooks' context holds the run args (``ctx.args``)."""
     # fmt: off
     args = parse_args([
         "--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
@@ -76,7 +76,7 @@ def miles_args(pipeline):
         "--dmd2-teacher-guidance-scale", "3", "--lr", "1e-4", "--critic-lr", "4e-4",
     ])
     # fmt: on
-    critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
+    critic, actor = run_spec(args).groups
     return args, critic, actor
 
 
@@ -161,7 +161,8 @@ def context(args, loop, rollout_id, microbatch_id=0, external=None, critic=True)
 
 def test_each_phase_equals_the_trainer_hooks(pipeline):
     """Generation against the engine, the critic's SFT batches and loss, scoring and the surrogate against the hooks."""
-    args, critic_args, actor_args = miles_args(pipeline)
+    args, critic, actor = miles_args(pipeline)
+    assert (critic.steps_per_rollout, critic.micro_batch_size, actor.steps_per_rollout) == (K, MB, 1)
     config = overhead.BareConfig(rollout_batch_size=N, micro_batch_size=MB, critic_steps=K, num_steps=STEPS)
     loop = overhead.BareDMD2Loop(pipeline, PROMPTS, config)
     rollout_id = 1
@@ -171,13 +172,15 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
     prompts = [PROMPTS[(rollout_id * N + b) % len(PROMPTS)] for b in range(N)]
     stop_steps = stop_at_random_step(args, rollout_id, list(range(N)), STEPS)
     family = get_model_family(pipeline)
+    spec = run_spec(args).engine
     engine = RolloutEngine(
-        args,
+        spec,
         family,
         family.load_denoiser(pipeline),
-        PromptConditioner(args, family, pipeline),
+        PromptConditioner(spec, family, pipeline),
         family.latent_shape(pipeline),
         read_scheduler_config(pipeline)["num_train_timesteps"],
+        args=args,
     )
     shard = make_prompt_shard(rollout_id, [{"prompt": p} for p in prompts], input_key="prompt")
     samples = engine.generate(shard)
@@ -193,7 +196,7 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
     for window_index, window in enumerate(split_windows(list(range(N)), K, MB)):
         hook_total = 0.0
         for j, mb in enumerate(window):
-            ctx = context(critic_args, loop, rollout_id, window_index * len(window) + j)
+            ctx = context(args, loop, rollout_id, window_index * len(window) + j)
             prepared = prepare_critic_batch(ctx, [pairs[i] for i in mb])
             x_sigma, timestep, target = loop.critic_batch(rollout.x0[mb], rollout_id, ctx.microbatch_id)
             torch.testing.assert_close(x_sigma, prepared.latents, **close)
@@ -206,7 +209,7 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
         assert loop.critic_window(rollout, rollout_id, window_index) == pytest.approx(hook_total / N * K, rel=1e-5)
 
     # scoring with the critic after its K steps
-    scores = predict_teacher_and_critic_x0(context(critic_args, loop, rollout_id), pairs)
+    scores = predict_teacher_and_critic_x0(context(args, loop, rollout_id), pairs)
     x0_real, x0_fake = loop.score(rollout, rollout_id)
     torch.testing.assert_close(x0_real, scores["x0_real"], **close)
     torch.testing.assert_close(x0_fake, scores["x0_fake"], **close)
@@ -216,7 +219,7 @@ def test_each_phase_equals_the_trainer_hooks(pipeline):
     hook_total = 0.0
     with torch.no_grad():
         for j, mb in enumerate(split_windows(pairs, 1, MB)[0]):
-            ctx = context(actor_args, loop, rollout_id, j, external, critic=False)
+            ctx = context(args, loop, rollout_id, j, external, critic=False)
             prepared = prepare_generator_batch(ctx, mb)
             new_pred = ctx.predict_velocity(loop.student, prepared.latents, prepared.timestep, prepared.cond)
             hook_total += float(dmd2_loss_formula(ctx, mb, prepared, new_pred=new_pred, metrics={}))

@@ -19,7 +19,7 @@ from miles.eval.digits.grids import render_digit_grid
 from miles.ray.engine_group import EngineGroup
 from miles.utils.tracking import MetricsTracker, read_metrics
 from tests.support.driver import run_main, wait_for_free_cpus
-from tests.support.trainer import make_args, make_pipeline
+from tests.support.trainer import make_args, make_pipeline, run_spec
 
 DIGITS_HOOK = "miles.eval.digits.digits_eval_hook"
 LABELS = [3, 7, 0, 9, 1]
@@ -51,7 +51,7 @@ def sampler(ray_cluster, setup):
     actor group's ranks do it the same way)."""
     pg = ray.util.placement_group([{"CPU": 1}])
     ray.get(pg.ready())
-    engines = EngineGroup(_eval_args(setup, setup[1] / "engine"), (pg, [0]), num_gpus=0.0, num_cpus=1)
+    engines = EngineGroup(run_spec(_eval_args(setup, setup[1] / "engine")), (pg, [0]), num_gpus=0.0, num_cpus=1)
     yield engines
     for engine in engines.engines:
         ray.kill(engine)
@@ -90,17 +90,17 @@ def test_the_eval_set_is_capped_to_evenly_spaced_prompts(setup, tmp_path):
 
 def test_a_hook_that_returns_no_dict_of_numbers_is_one_line_naming_it(setup, tmp_path):
     from miles.driver.evaluation import EvalHookError, _run_hook
+    from tests.support.trainer import list_eval_hook, tensor_eval_hook
 
-    args = _eval_args(setup, tmp_path, eval_function_path="tests.support.trainer.list_eval_hook")
+    args = _eval_args(setup, tmp_path)
     images = torch.zeros(2, 8, 8, 1, dtype=torch.uint8)
     with pytest.raises(EvalHookError) as exc_info:
-        _run_hook(args, images, [{}, {}], 3)
+        _run_hook(list_eval_hook, args, images, [{}, {}], 3)
     assert exc_info.value.summary == (
         "eval hook tests.support.trainer.list_eval_hook returned list after rollout 3; expected a dict of metric "
         "name -> number"
     )
-    args.eval_function_path = "tests.support.trainer.tensor_eval_hook"
-    assert _run_hook(args, images, [{}, {}], 3) == {"mean": torch.tensor(0.0), "count": 2}
+    assert _run_hook(tensor_eval_hook, args, images, [{}, {}], 3) == {"mean": torch.tensor(0.0), "count": 2}
 
 
 def test_a_fresh_run_moves_an_earlier_runs_eval_images_aside(tmp_path):
@@ -128,8 +128,9 @@ def test_eval_shard_has_fixed_indices_so_fixed_noise(setup, tmp_path):
 def test_maybe_evaluate_saves_the_digit_grid_and_logs_the_figures_with_its_path(setup, sampler, tmp_path):
     args = _eval_args(setup, tmp_path / "run", eval_function_path=DIGITS_HOOK)
     tracker = MetricsTracker(args, job="driver")
+    hook = run_spec(args).eval_hook  # imported once by the driver
     for rollout_id in range(args.num_rollout):
-        maybe_evaluate(args, rollout_id, sampler, tracker)
+        maybe_evaluate(args, rollout_id, sampler, tracker, eval_hook=hook)
     eval_dir = Path(args.output_dir) / "eval"
     assert sorted(p.name for p in eval_dir.iterdir()) == ["rollout_1.png", "rollout_3.png", "rollout_4.png"]
 

@@ -37,28 +37,21 @@ def test_sft_train_only_has_no_rollout_phase():
     assert work_per_rank(args) == [("actor", PhaseWork("2 optimizer steps", 8, 8, 1))]
 
 
-def test_the_groups_are_a_table_with_each_groups_overrides_one_per_line():
-    args = parse_args([*DMD2, "--save", "/ckpt/run", "--critic-lr", "4e-5"])
+def test_the_groups_are_a_table_with_each_groups_hooks_one_per_line():
+    args = parse_args([*DMD2, "--save", "/ckpt/run", "--critic-lr", "4e-5", "--ema-decay", "0.9"])
     assert groups_table(args) == [
         "trainer groups (2, in training order):",
         "  group   init             teacher          lr     steps/rollout  save              load",
         "  critic  /models/teacher  /models/teacher  4e-05  3              /ckpt/run_critic  -",
         "  actor   /models/student  -                1e-05  1              /ckpt/run         -",
-        "  group critic overrides (- = unset):",
-        "    --hf-checkpoint                      /models/teacher",
-        "    --lr                                 4e-05",
-        "    --load                               -",
-        "    --save                               /ckpt/run_critic",
-        "    --save-hf                            -",
-        "    --ema-decay                          -",
-        "    --num-steps-per-rollout              3",
-        "    --global-batch-size                  4",
+        "  group critic:",
         "    --custom-prepare-train-batch-path    miles.backends.fsdp_utils.loss_hub.dmd2.prepare_critic_batch",
         "    --custom-loss-function-path          miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula",
         "    --custom-train-output-function-path  miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0",
-        "    --train-output-before-step           -",
-        "  group actor overrides (- = unset):",
-        "    --teacher-load  -",
+        "  group actor:",
+        "    --custom-prepare-train-batch-path  miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch",
+        "    --custom-loss-function-path        miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula",
+        "    --ema-decay                        0.9",
     ]
 
 

@@ -66,9 +66,7 @@ def test_input_checks_name_the_flag_and_the_path_before_ray_starts(tmp_path):
     hook = rejected("--eval-function-path", "miles.utils.misc.no_such_hook", check_paths=False)
     assert hook.startswith("--eval-function-path: hook path 'miles.utils.misc.no_such_hook'")
     assert "no attribute 'no_such_hook'" in hook
-    assert "is a dict, not a callable" in rejected(
-        "--custom-loss-function-path", "miles.methods.sft.SFT_DEFAULT_HOOKS"
-    )
+    assert "is a dict, not a callable" in rejected("--custom-loss-function-path", "miles.driver.plan.HOOK_FLAGS")
     assert rejected("--load", str(tmp_path / "ckpt"), check_paths=False).startswith(f"--load {tmp_path / 'ckpt'}")
     validate_inputs(_validate([*base, "--hf-checkpoint", str(tmp_path / "nope")]), check_paths=False)
 

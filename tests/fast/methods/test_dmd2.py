@@ -1,16 +1,17 @@
 """``--loss-type dmd2`` (``miles.methods.dmd2``): its flags, defaults, validation and trainer groups (seeds
 [DMD2 1/10], [DMD2 4/7] and [DMD2 5/7])."""
 
-import argparse
 import copy
 
 import pytest
 
+from miles.config import CheckpointSpec, hook_name
 from miles.driver.arguments import build_parser, parse_args, set_default_diffusion_args, validate_args
 from miles.driver.export import export_schedule
-from miles.methods import compute_trainer_configs, get_method
+from miles.driver.specs import build_run_spec
+from miles.driver.validators import group_layout
+from miles.methods import get_method
 from miles.methods.dmd2 import DMD2_ACTOR_HOOKS, DMD2_CRITIC_HOOKS, DMD2Method, validate_dmd2_args
-from miles.utils.trainer_config import TrainerConfig, compute_trainer_args
 from miles.utils.validation import ArgumentValidationError
 
 BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "3"]
@@ -92,49 +93,54 @@ def test_valid_dmd2_args_pass_unchanged(argv):
 
 def test_dmd2_fills_converter_prepare_loss_and_step_strategy():
     args = parse_args(DMD2)
-    assert args.custom_expand_samples_to_train_pairs_path == DMD2_CONVERTER
-    assert args.custom_prepare_train_batch_path == DMD2_PREPARE
-    assert args.custom_loss_function_path == DMD2_LOSS
-    assert args.diffusion_step_strategy_path == STOP_AT_RANDOM_STEP
+    run = build_run_spec(args)
+    critic, actor = run.groups
     # The method module references the built-in hooks by import; their dotted paths are the ones above.
-    assert DMD2_ACTOR_HOOKS == {
-        "custom_expand_samples_to_train_pairs_path": DMD2_CONVERTER,
-        "custom_prepare_train_batch_path": DMD2_PREPARE,
-        "custom_loss_function_path": DMD2_LOSS,
-        "diffusion_step_strategy_path": STOP_AT_RANDOM_STEP,
-    }
-    assert DMD2_CRITIC_HOOKS == {
-        "custom_prepare_train_batch_path": CRITIC_PREPARE,
-        "custom_loss_function_path": SFT_LOSS,
-        "custom_train_output_function_path": CRITIC_SCORING,
-    }
+    assert hook_name(run.engine.converter) == DMD2_CONVERTER
+    assert hook_name(run.engine.step_strategy) == STOP_AT_RANDOM_STEP
+    assert actor.hooks == DMD2_ACTOR_HOOKS
+    assert actor.hooks.names() == {"prepare": DMD2_PREPARE, "loss": DMD2_LOSS}
+    assert critic.hooks == DMD2_CRITIC_HOOKS
+    assert critic.hooks.names() == {"prepare": CRITIC_PREPARE, "loss": SFT_LOSS, "train_output": CRITIC_SCORING}
     assert isinstance(get_method(args), DMD2Method)
-    # The critic's hooks are its trainer overrides, not args of the run.
+    # The method's hooks live in the groups' specs, never in the args: a path there is one the user typed.
+    assert args.custom_expand_samples_to_train_pairs_path is None and args.diffusion_step_strategy_path is None
+    assert args.custom_prepare_train_batch_path is None and args.custom_loss_function_path is None
     assert args.custom_train_output_function_path is None
     assert args.global_batch_size == 10 and args.train_output_before_step is None
 
 
+OWN = "tests.support.rollout.stop_steps_from_args"  # any importable function stands for a user's hook here
+
+
 @pytest.mark.parametrize(
-    "flag, dest",
+    "flag, slot",
     [
-        ("--custom-expand-samples-to-train-pairs-path", "custom_expand_samples_to_train_pairs_path"),
-        ("--custom-prepare-train-batch-path", "custom_prepare_train_batch_path"),
-        ("--custom-loss-function-path", "custom_loss_function_path"),
-        ("--diffusion-step-strategy-path", "diffusion_step_strategy_path"),
+        ("--custom-expand-samples-to-train-pairs-path", "converter"),
+        ("--custom-prepare-train-batch-path", "prepare"),
+        ("--custom-loss-function-path", "loss"),
+        ("--diffusion-step-strategy-path", "step_strategy"),
     ],
 )
-def test_dmd2_never_fills_over_a_user_path(flag, dest):
-    args = parse_args([*DMD2, flag, "my_project.hooks.own"])
-    assert getattr(args, dest) == "my_project.hooks.own"
+def test_dmd2_never_fills_over_a_user_path(flag, slot):
+    from tests.support.rollout import stop_steps_from_args
+
+    run = build_run_spec(parse_args([*DMD2, flag, OWN]))
+    actor = run.group("actor")
     filled = {
-        "custom_expand_samples_to_train_pairs_path": DMD2_CONVERTER,
-        "custom_prepare_train_batch_path": DMD2_PREPARE,
-        "custom_loss_function_path": DMD2_LOSS,
-        "diffusion_step_strategy_path": STOP_AT_RANDOM_STEP,
+        "converter": (run.engine.converter, DMD2_CONVERTER),
+        "prepare": (actor.hooks.prepare, DMD2_PREPARE),
+        "loss": (actor.hooks.loss, DMD2_LOSS),
+        "step_strategy": (run.engine.step_strategy, STOP_AT_RANDOM_STEP),
     }
-    for other, path in filled.items():
-        if other != dest:
-            assert getattr(args, other) == path
+    for other, (fn, path) in filled.items():
+        assert fn is stop_steps_from_args if other == slot else hook_name(fn) == path
+    # The critic's own hooks stay DMD2's whatever the user set for the actor.
+    assert run.group("critic").hooks.names() == {
+        "prepare": CRITIC_PREPARE,
+        "loss": SFT_LOSS,
+        "train_output": CRITIC_SCORING,
+    }
 
 
 def test_critic_load_and_lr_default_to_teacher_load_and_lr():
@@ -330,80 +336,65 @@ def test_export_records_the_teacher_scale_it_was_distilled_from():
 
 
 # -- trainer groups --------------------------------------------------------------------------------------------------
-def _diff(before: argparse.Namespace, after: argparse.Namespace) -> dict:
-    """name → (before, after) for every attribute that differs (or exists on one side only)."""
-    old, new = vars(before), vars(after)
-    return {name: (old.get(name), new.get(name)) for name in old.keys() | new.keys() if old.get(name) != new.get(name)}
-
-
 def test_dmd2_critic_first_from_critic_load_at_critic_lr():
     args = parse_args([*DMD2_RUN, "--critic-load", "/models/critic_init", "--critic-lr", "8e-6"])
     snapshot = copy.deepcopy(vars(args))
-    configs = compute_trainer_configs(args)
-    assert [config.role for config in configs] == ["critic", "actor"]
-    critic_args = compute_trainer_args(args, configs[0])
-    assert _diff(args, critic_args) == {
-        "hf_checkpoint": ("/models/student", "/models/critic_init"),
-        "lr": (2e-6, 8e-6),
-        "load": ("/ckpt/run", "/ckpt/run_critic"),
-        "save": ("/ckpt/run/", "/ckpt/run_critic"),
-        "num_steps_per_rollout": (1, 5),
-        "global_batch_size": (10, 2),
-        "custom_prepare_train_batch_path": (
-            "miles.backends.fsdp_utils.loss_hub.dmd2.prepare_generator_batch",
-            CRITIC_PREPARE,
-        ),
-        "custom_loss_function_path": ("miles.backends.fsdp_utils.loss_hub.dmd2.dmd2_loss_formula", SFT_LOSS),
-        "custom_train_output_function_path": (None, CRITIC_SCORING),
-    }
-    assert critic_args.teacher_load == "/models/teacher"
-    assert critic_args.train_output_before_step is None
-    # The critic's K steps cover the same DP shard as the actor's one step.
-    assert critic_args.global_batch_size * critic_args.num_steps_per_rollout == args.global_batch_size
+    critic, actor = group_layout(args)
+    assert [critic.role, actor.role] == ["critic", "actor"]
+    assert (critic.init, critic.teacher) == ("/models/critic_init", "/models/teacher")
+    assert (critic.optimizer.lr, actor.optimizer.lr) == (8e-6, 2e-6)
+    assert critic.checkpoint == CheckpointSpec(load="/ckpt/run_critic", save="/ckpt/run_critic")
+    assert actor.checkpoint == CheckpointSpec(load="/ckpt/run", save="/ckpt/run/")
+    assert (critic.steps_per_rollout, actor.steps_per_rollout) == (5, 1)
+    assert critic.hooks.names() == {"prepare": CRITIC_PREPARE, "loss": SFT_LOSS, "train_output": CRITIC_SCORING}
+    assert critic.train_output_before_step is None and critic.ema is None
+    # The critic's schedule spans its own steps: K per rollout.
+    assert (critic.schedule.total_steps, actor.schedule.total_steps) == (3 * 5, 3 * 1)
+    # Everything else is the student's: micro-batch, dtype, seed, the optimizer's other settings.
+    assert (critic.micro_batch_size, critic.dtype, critic.seed) == (actor.micro_batch_size, actor.dtype, actor.seed)
+    assert critic.optimizer.betas == actor.optimizer.betas and critic.schedule.decay_style == "constant"
     assert vars(args) == snapshot
 
 
 def test_dmd2_critic_defaults_to_teacher_and_actor_lr_without_checkpoint_dirs():
     argv = [*BASE, "--loss-type", "dmd2", "--teacher-load", "/models/teacher", "--rollout-batch-size", "6"]
     args = parse_args([*argv, "--dmd2-critic-steps-per-rollout", "3"])
-    critic_args = compute_trainer_args(args, compute_trainer_configs(args)[0])
-    assert critic_args.hf_checkpoint == "/models/teacher"
-    assert critic_args.lr == args.lr == 1e-5
-    assert critic_args.load is None and critic_args.save is None
-    assert (critic_args.num_steps_per_rollout, critic_args.global_batch_size) == (3, 2)
+    critic = group_layout(args)[0]
+    assert critic.init == "/models/teacher"
+    assert critic.optimizer.lr == args.lr == 1e-5
+    assert critic.checkpoint == CheckpointSpec()
+    assert critic.steps_per_rollout == 3
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 10])
 def test_dmd2_critic_scoring_original_scores_before_the_last_critic_step(k):
     args = parse_args([*DMD2_RUN, "--dmd2-critic-steps-per-rollout", str(k), "--dmd2-critic-scoring", "original"])
-    critic_args = compute_trainer_args(args, compute_trainer_configs(args)[0])
-    assert critic_args.num_steps_per_rollout == k
-    assert critic_args.train_output_before_step == k - 1
+    critic = group_layout(args)[0]
+    assert critic.steps_per_rollout == k
+    assert critic.train_output_before_step == k - 1
 
 
-def test_dmd2_actor_copy_differs_only_by_dropping_the_teacher():
+def test_dmd2_actor_group_is_the_student_without_the_teacher():
     args = parse_args(DMD2_RUN)
     snapshot = copy.deepcopy(vars(args))
-    actor = compute_trainer_configs(args)[1]
-    assert actor == TrainerConfig("actor", {"teacher_load": None})
-    actor_args = compute_trainer_args(args, actor)
-    assert _diff(args, actor_args) == {"teacher_load": ("/models/teacher", None)}
+    actor = group_layout(args)[1]
+    assert actor.role == "actor" and actor.init == "/models/student" and actor.teacher is None
+    assert actor.hooks == DMD2_ACTOR_HOOKS and actor.steps_per_rollout == 1 and actor.optimizer.lr == 2e-6
     assert vars(args) == snapshot
 
 
 def test_critic_lora_flags_default_to_the_students_and_map_onto_the_critic_group():
-    from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, LoraSettings, lora_settings
+    from miles.models.lora import DEFAULT_LORA_TARGET_MODULES, LoraSettings
 
     args = parse_args([*DMD2, "--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "to_q,to_v"])
-    critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
-    assert lora_settings(actor) == lora_settings(critic) == LoraSettings(8, 16.0, ("to_q", "to_v"), 0.0)
+    critic, actor = group_layout(args)
+    assert actor.lora == critic.lora == LoraSettings(8, 16.0, ("to_q", "to_v"), 0.0)
     args = parse_args([*DMD2, "--lora-rank", "8", "--critic-lora-rank", "4", "--critic-lora-dropout", "0.1"])
-    critic, actor = (compute_trainer_args(args, config) for config in compute_trainer_configs(args))
-    assert lora_settings(critic) == LoraSettings(4, 4.0, DEFAULT_LORA_TARGET_MODULES, 0.1)
-    assert lora_settings(actor) == LoraSettings(8, 8.0, DEFAULT_LORA_TARGET_MODULES, 0.0)
+    critic, actor = group_layout(args)
+    assert critic.lora == LoraSettings(4, 4.0, DEFAULT_LORA_TARGET_MODULES, 0.1)
+    assert actor.lora == LoraSettings(8, 8.0, DEFAULT_LORA_TARGET_MODULES, 0.0)
     args = parse_args([*DMD2, "--lora-rank", "8", "--critic-lora-rank", "0"])
-    critic = compute_trainer_args(args, compute_trainer_configs(args)[0])
-    assert lora_settings(critic) is None  # a full-weight critic beside a LoRA student
+    assert group_layout(args)[0].lora is None  # a full-weight critic beside a LoRA student
 
 
 @pytest.mark.parametrize(

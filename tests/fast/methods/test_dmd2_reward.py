@@ -3,11 +3,12 @@ path named before Ray starts, and the frozen reward group the method adds only w
 
 import pytest
 
+from miles.config import CheckpointSpec
 from miles.driver.arguments import parse_args
 from miles.driver.preflight import validate_inputs
-from miles.methods import compute_trainer_configs
-from miles.methods.dmd2_reward import REWARD_GROUP_OVERRIDES, check_reward_family
-from miles.utils.trainer_config import compute_trainer_args, trains
+from miles.driver.specs import build_run_spec
+from miles.eval.digits.reward import digit_log_prob
+from miles.methods.dmd2_reward import check_reward_family
 from miles.utils.validation import ArgumentValidationError
 
 BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "3"]
@@ -42,17 +43,22 @@ def test_a_bad_reward_hook_path_is_named_before_ray_starts():
 
 
 def test_weight_0_keeps_todays_two_groups_and_a_weight_adds_the_frozen_reward_group_before_the_actor():
-    plain = compute_trainer_configs(parse_args(DMD2))
-    assert [config.role for config in plain] == ["critic", "actor"]
-    args = parse_args([*DMD2, *REWARD])
-    configs = compute_trainer_configs(args)
-    assert [config.role for config in configs] == ["critic", "reward", "actor"]
-    assert configs[0] == plain[0] and configs[2] == plain[1]
-    reward = compute_trainer_args(args, configs[1])
-    assert configs[1].overrides == REWARD_GROUP_OVERRIDES
-    assert not trains(reward) and reward.save is None and reward.load is None and reward.teacher_load is None
-    assert reward.custom_trainer_path == "miles.backends.fsdp_utils.frozen_trainer.FrozenGroupTrainer"
-    assert all(trains(compute_trainer_args(args, config)) for config in (configs[0], configs[2]))
+    from miles.backends.fsdp_utils.loss_hub.reward import reward_gradient
+
+    plain = build_run_spec(parse_args(DMD2)).groups
+    assert [group.role for group in plain] == ["critic", "actor"]
+    groups = build_run_spec(parse_args([*DMD2, *REWARD])).groups
+    assert [group.role for group in groups] == ["critic", "reward", "actor"]
+    assert groups[0] == plain[0] and groups[2] == plain[1]
+    reward = groups[1]
+    # Frozen: no model source, no steps, no checkpoint, no teacher; the spec says so, no sentinel count does.
+    assert not reward.trains and reward.init is None and reward.teacher is None and reward.optimizer is None
+    assert reward.checkpoint == CheckpointSpec() and reward.steps_per_rollout == 0
+    # Its train output is the reward gradient with the user's reward function, imported once by the driver.
+    assert reward.hooks.train_output.func is reward_gradient
+    assert reward.hooks.train_output.keywords == {"reward": digit_log_prob}
+    assert reward.hooks.prepare is None and reward.hooks.loss is None and reward.hooks.trainer is None
+    assert all(group.trains for group in (groups[0], groups[2]))
 
 
 def test_a_family_without_a_differentiable_decoder_is_refused_in_one_line(tmp_path):

@@ -2,9 +2,10 @@
 
 import pytest
 
+from miles.config import hook_name
 from miles.driver.arguments import parse_args
 from miles.driver.export import engine_schedule, export_schedule
-from miles.methods.sft import SFT_DEFAULT_HOOKS
+from miles.driver.specs import build_run_spec
 from tests.support.arguments import BASE
 from tests.support.arguments import rejected as _rejected
 from tests.support.arguments import validated as _validate
@@ -16,20 +17,19 @@ SFT_LOSS = "miles.backends.fsdp_utils.loss_hub.sft.sft_loss_formula"
 
 def test_sft_loss_fills_its_hooks_and_no_step_strategy():
     args = parse_args([*BASE, "--rollout-batch-size", "4"])
-    assert args.custom_expand_samples_to_train_pairs_path == SFT_CONVERTER
-    assert args.custom_prepare_train_batch_path == SFT_PREPARE
-    assert args.custom_loss_function_path == SFT_LOSS
-    assert args.diffusion_step_strategy_path is None
-    assert args.critic_load is None and args.critic_lr is None
+    run = build_run_spec(args)
+    (actor,) = run.groups
     # The method module references the built-in hooks by import; their dotted paths are the ones above.
-    assert SFT_DEFAULT_HOOKS == {
-        "custom_expand_samples_to_train_pairs_path": SFT_CONVERTER,
-        "custom_prepare_train_batch_path": SFT_PREPARE,
-        "custom_loss_function_path": SFT_LOSS,
-    }
-    own = parse_args([*BASE, "--rollout-batch-size", "4", "--custom-loss-function-path", "my_project.hooks.loss"])
-    assert own.custom_loss_function_path == "my_project.hooks.loss"
-    assert own.custom_prepare_train_batch_path == SFT_PREPARE
+    assert hook_name(run.engine.converter) == SFT_CONVERTER
+    assert actor.hooks.names() == {"prepare": SFT_PREPARE, "loss": SFT_LOSS}
+    assert run.engine.step_strategy is None
+    assert args.critic_load is None and args.critic_lr is None
+    # A user's hook wins; the method's fills the rest. The args hold only what the user typed.
+    own = "tests.support.trainer.echo_output"
+    args = parse_args([*BASE, "--rollout-batch-size", "4", "--custom-loss-function-path", own])
+    (actor,) = build_run_spec(args).groups
+    assert actor.hooks.names() == {"prepare": SFT_PREPARE, "loss": own}
+    assert args.custom_loss_function_path == own and args.custom_prepare_train_batch_path is None
 
 
 def test_sft_conditioning_dropout_asks_the_engine_for_the_negative_cond():

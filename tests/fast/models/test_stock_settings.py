@@ -361,12 +361,13 @@ def test_the_rank_that_encodes_the_negative_prompt_logs_it_and_the_cache_default
 
     from miles.rollout.conditioning import PromptConditioner
     from miles.rollout.prompt_cache import main as prompt_cache
+    from tests.support.rollout import engine_spec
 
     path = pipelines["qwen_image"]
     family = get_model_family(path)
     args = validated(_dmd2(path))
     with caplog.at_level(logging.INFO, logger="miles.rollout.conditioning"):
-        negative = PromptConditioner(args, family, path).negative()
+        negative = PromptConditioner(engine_spec(args), family, path).negative()
     assert "encoding the negative prompt ' ': the qwen_image family's (its stock pipeline's default)" in caplog.text
     expected = family.encode_prompts(family.load_text_encoder(path), [" "])
     torch.testing.assert_close(negative, {key: value[0] for key, value in expected.items()}, rtol=0, atol=0)

@@ -1,13 +1,15 @@
 """RayTrainGroup: two colocated groups of 2 CPU ranks, the rank pairing of external_data, and the eval split."""
 
+import dataclasses
+
 import pytest
 import ray
 
 from miles.models import get_model_family
 from miles.ray.actor_group import RayTrainGroup, split_shard
 from miles.ray.placement_group import bundle_cpus, create_placement_groups, trainer_resources
-from miles.utils.types import Box, PromptShard, TrainResult
-from tests.support.trainer import digits_pairs, make_args, make_pipeline
+from miles.utils.types import Box, PromptShard, SideRecords, TrainResult
+from tests.support.trainer import digits_pairs, make_args, make_pipeline, run_spec
 
 WORLD = 2
 
@@ -26,8 +28,11 @@ def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipelin
     args = make_args(pipeline, tmp_path, custom_train_output_function_path="tests.support.trainer.echo_output")
     pgs = create_placement_groups(args)
     gpus, cpus = trainer_resources(num_groups=2, use_gpu=False, cpus=bundle_cpus(args))
+    run = run_spec(args)
+    # Two groups of the same spec under two roles: the critic's outputs reach the actor's ranks.
+    run = dataclasses.replace(run, groups=(dataclasses.replace(run.group("actor"), role="critic"), *run.groups))
     groups = [
-        RayTrainGroup(args, role, 1, WORLD, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
+        RayTrainGroup(run, role, 1, WORLD, pgs["actor"], num_gpus_per_actor=gpus, num_cpus_per_actor=cpus)
         for role in ("critic", "actor")
     ]
     try:
@@ -60,6 +65,13 @@ def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipelin
                 assert second_out[rank]["external"] == {"critic": first_out[rank]}
                 assert second_out[rank]["sample_indices"] == expected_indices
 
+        # A method's probe (an evaluation's), dispatched once by the group: put, call, get, in rank order.
+        probes = groups[0].run_train_output("probe", [pairs[:4], pairs[4:]])
+        assert [probe["sample_indices"] for probe in probes] == [
+            [100 + i for i in range(4)],
+            [104 + i for i in range(4)],
+        ]
+        assert [probe["rollout_id"] for probe in probes] == ["probe", "probe"]
         with pytest.raises(ValueError, match="actor group has 2 ranks but got 1 outputs of group 'critic'"):
             groups[1].async_train(2, refs, external_data={"critic": outputs[:1]})
         with pytest.raises(ValueError, match="critic group has 2 ranks but got 1 train-pair shards"):
@@ -80,3 +92,11 @@ def test_split_shard_pads_with_the_last_sample_so_every_rank_runs_the_same_forwa
     assert all(part.rollout_id == "eval" and part.base_dir == "/data" for part in parts)
     parts, pad = split_shard(shard, 5)
     assert pad == 0 and [len(part) for part in parts] == [1] * 5
+    # A side input's records (the DMD2 GAN's reals) are split and padded with their samples.
+    shard.side_data = {"real": SideRecords([{"r": i} for i in range(5)], "/reals")}
+    parts, pad = split_shard(shard, 2)
+    assert [part.side_data["real"].records for part in parts] == [
+        [{"r": 0}, {"r": 1}, {"r": 2}],
+        [{"r": 3}, {"r": 4}, {"r": 4}],
+    ]
+    assert all(part.side_data["real"].base_dir == "/reals" for part in parts)

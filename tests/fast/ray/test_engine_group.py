@@ -5,6 +5,7 @@ import pytest
 import ray
 import torch
 
+from miles.driver.specs import data_spec
 from miles.eval.digits.data import write_digits_jsonl
 from miles.models import get_model_family
 from miles.ray.engine_group import EngineGroup
@@ -12,7 +13,7 @@ from miles.ray.rollout import RolloutManager
 from miles.rollout.data_source import load_record_latent
 from miles.utils.types import Box, RolloutResult, SideInput
 from tests.support.rollout import make_engine, prompt_shard
-from tests.support.trainer import make_args, make_pipeline
+from tests.support.trainer import make_args, make_pipeline, run_spec
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +27,9 @@ def test_one_replica_generates_every_dp_shard_evaluates_and_loads_weights(ray_cl
     args = make_args(pipeline, tmp_path, train_only=False, prompt_data=data, rollout_num_gpus=1, rollout_batch_size=4)
     pg = ray.util.placement_group([{"CPU": 1}])
     ray.get(pg.ready())
-    engines = EngineGroup(args, (pg, [0]), num_gpus=0.0, num_cpus=1, num_threads=1)
+    engines = EngineGroup(run_spec(args), (pg, [0]), num_gpus=0.0, num_cpus=1, num_threads=1)
     try:
-        shards = RolloutManager(args, dp_size=2).shards(0)
+        shards = RolloutManager(data_spec(args), dp_size=2).shards(0)
         boxes = [Box(ray.put(shard)) for shard in shards]
         (run,) = ray.get(engines.async_generate(0, boxes))  # one replica: the shards of both DP ranks
         assert len(run) == 2 and all(isinstance(result, RolloutResult) for result in run)
@@ -67,10 +68,10 @@ def test_a_replica_trains_on_the_data_and_carries_the_side_inputs(ray_cluster, p
     args = make_args(pipeline, tmp_path, prompt_data=train, rollout_num_gpus=1, rollout_batch_size=4)
     pg = ray.util.placement_group([{"CPU": 1}])
     ray.get(pg.ready())
-    engines = EngineGroup(args, (pg, [0]), num_gpus=0.0, num_cpus=1, num_threads=1)
+    engines = EngineGroup(run_spec(args), (pg, [0]), num_gpus=0.0, num_cpus=1, num_threads=1)
     try:
         side = [SideInput("real", train, "--dmd2-gan-real-data")]
-        shards = RolloutManager(args, 2, side).shards(0)
+        shards = RolloutManager(data_spec(args), 2, side).shards(0)
         (run,) = ray.get(engines.async_generate(0, [Box(ray.put(shard)) for shard in shards]))
         pairs = [ray.get(result.pairs.inner) for result in run]
     finally:

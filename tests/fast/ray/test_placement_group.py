@@ -1,13 +1,13 @@
 """Where the trainer groups and engine replicas run (``miles.ray.placement_group``, seed ``[DMD2 4/7]``).
 
-``create_training_models`` gives each group ``compute_trainer_args(args, config)`` and reserves
-``trainer_resources(len(configs), use_gpu, bundle_cpus(args))`` of every bundle; the RolloutManager reserves none.
-The first tests build the same group args and fractions the way it does, then check what the groups would do with
-them: which hooks load, how a DP shard splits into optimizer steps, where each group checkpoints, and that
+``create_training_models`` hands every rank the run's specs (each reads its group's) and reserves
+``trainer_resources(len(run.groups), use_gpu, bundle_cpus(args))`` of every bundle; the RolloutManager reserves none.
+The first tests build the same specs and fractions the way the driver does, then check what the groups would do
+with them: which hooks run, how a DP shard splits into optimizer steps, where each group checkpoints, and that
 everything fits one bundle per rank. The others place and start real groups on the session's CPU-only Ray cluster.
 """
 
-import copy
+import dataclasses
 
 import pytest
 import ray
@@ -16,10 +16,8 @@ from miles.backends.fsdp_utils import hooks as trainer
 from miles.backends.fsdp_utils.loss_hub import dmd2, sft
 from miles.driver.arguments import parse_args
 from miles.driver.schedule import needs_sleep
-from miles.methods import compute_trainer_configs
 from miles.ray import placement_group as placement
-from miles.utils.trainer_config import compute_trainer_args
-from tests.support.trainer import make_args, make_pipeline
+from tests.support.trainer import make_args, make_pipeline, run_spec
 
 SFT = "miles.backends.fsdp_utils.loss_hub.sft"
 BASE = ["--hf-checkpoint", "/models/student", "--prompt-data", "/data/prompts.jsonl", "--num-rollout", "4"]
@@ -38,9 +36,9 @@ def _args(loss_type: str, dp: int = 2, *extra: str):
     return parse_args([*argv, *extra])
 
 
-def _group_args(args) -> dict:
-    """``{role: group args}`` in training order, built as ``create_training_models`` builds them."""
-    return {config.role: compute_trainer_args(args, config) for config in compute_trainer_configs(args)}
+def _groups(args) -> dict:
+    """``{role: GroupSpec}`` in training order, as the driver builds them for ``create_training_models``."""
+    return {group.role: group for group in run_spec(args).groups}
 
 
 # -- without Ray -----------------------------------------------------------------------------------------------------
@@ -48,7 +46,7 @@ def _group_args(args) -> dict:
 @pytest.mark.parametrize("loss_type", ["sft_loss", "custom_loss", "dmd2"])
 def test_only_dmd2_adds_a_trainer_and_every_group_fits_one_bundle_per_rank(loss_type, dp):
     args = _args(loss_type, dp)
-    groups = _group_args(args)
+    groups = _groups(args)
     assert list(groups) == (["critic", "actor"] if loss_type == "dmd2" else ["actor"])
     for use_gpu in (True, False):
         for bundle_cpus in (1, 3):
@@ -95,15 +93,14 @@ def test_dmd2_critic_trains_first_from_critic_load_at_critic_lr_with_sibling_dir
         "dmd2", 2, "--critic-load", "/models/critic_init", "--critic-lr", "8e-6", "--lr", "2e-6",
         "--load", "/ckpt/run", "--save", "/ckpt/run", "--micro-batch-size", "2",
     )  # fmt: skip
-    critic, actor = _group_args(args).values()
-    assert (critic.hf_checkpoint, critic.lr, critic.teacher_load) == ("/models/critic_init", 8e-6, "/models/teacher")
-    assert (actor.hf_checkpoint, actor.lr, actor.teacher_load) == ("/models/student", 2e-6, None)
-    assert (critic.load, critic.save) == ("/ckpt/run_critic", "/ckpt/run_critic")
-    assert (actor.load, actor.save) == ("/ckpt/run", "/ckpt/run")
-    assert critic.save_hf is None  # only the student is exported
+    critic, actor = _groups(args).values()
+    assert (critic.init, critic.optimizer.lr, critic.teacher) == ("/models/critic_init", 8e-6, "/models/teacher")
+    assert (actor.init, actor.optimizer.lr, actor.teacher) == ("/models/student", 2e-6, None)
+    assert (critic.checkpoint.load, critic.checkpoint.save) == ("/ckpt/run_critic", "/ckpt/run_critic")
+    assert (actor.checkpoint.load, actor.checkpoint.save) == ("/ckpt/run", "/ckpt/run")
 
-    # The hooks each group's ranks load: SFT-shaped critic steps and the scoring; the generator loss on the actor.
-    critic_hooks, actor_hooks = trainer.load_hooks(critic), trainer.load_hooks(actor)
+    # The hooks each group's ranks run: SFT-shaped critic steps and the scoring; the generator loss on the actor.
+    critic_hooks, actor_hooks = trainer.check_hooks(critic.hooks), trainer.check_hooks(actor.hooks)
     assert (critic_hooks.prepare, critic_hooks.loss) == (dmd2.prepare_critic_batch, sft.sft_loss_formula)
     assert critic_hooks.train_output is dmd2.predict_teacher_and_critic_x0
     assert (actor_hooks.prepare, actor_hooks.loss) == (dmd2.prepare_generator_batch, dmd2.dmd2_loss_formula)
@@ -111,37 +108,30 @@ def test_dmd2_critic_trains_first_from_critic_load_at_critic_lr_with_sibling_dir
 
     # Both groups train on the same DP shard (12 pairs / 2 ranks): the critic in K = 3 steps, the actor in one.
     shard = list(range(6))
-    critic_windows = trainer.split_windows(shard, critic.num_steps_per_rollout, critic.micro_batch_size)
-    actor_windows = trainer.split_windows(shard, actor.num_steps_per_rollout, actor.micro_batch_size)
+    critic_windows = trainer.split_windows(shard, critic.steps_per_rollout, critic.micro_batch_size)
+    actor_windows = trainer.split_windows(shard, actor.steps_per_rollout, actor.micro_batch_size)
     assert critic_windows == [[[0, 1]], [[2, 3]], [[4, 5]]]
     assert actor_windows == [[[0, 1], [2, 3], [4, 5]]]
-    assert critic.global_batch_size * critic.num_steps_per_rollout == actor.global_batch_size == 12
     # The LR schedule counts the group's own optimizer steps.
-    assert (
-        critic.num_rollout * critic.num_steps_per_rollout == 12
-        and actor.num_rollout * actor.num_steps_per_rollout == 4
-    )
+    assert critic.schedule.total_steps == 12 and actor.schedule.total_steps == 4
 
 
-def test_dmd2_actor_copy_drops_only_the_teacher_and_the_input_args_stay_untouched():
+def test_the_specs_are_frozen_and_building_them_leaves_the_args_untouched():
+    import copy
+
     args = _args("dmd2", 2, "--save", "/ckpt/run", "--save-interval", "2")
     snapshot = copy.deepcopy(vars(args))
-    groups = _group_args(args)
-    actor = dict(vars(groups["actor"]))
-    assert {name for name in actor.keys() | snapshot.keys() if actor.get(name) != snapshot.get(name)} == {
-        "teacher_load"
-    }
-    # Mutating a group's copy never reaches the run's args or the other group.
-    groups["critic"].diffusion_timesteps = [1000.0]
-    groups["actor"].custom_train_output_function_path = "x.y"
-    assert vars(args) == snapshot and vars(_group_args(args)["actor"]) == actor
+    groups = _groups(args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        groups["actor"].init = "/elsewhere"
+    assert vars(args) == snapshot and _groups(args) == groups
 
 
 class _RecordingGroup:
     """Stands in for ``RayTrainGroup`` (no processes): each call appends to ``log``; a ref "resolves" in ``get``."""
 
-    def __init__(self, log: list, args, role: str, *_, **__) -> None:
-        self.log, self.args, self.role, self.actors = log, args, role, [f"{role} rank 0", f"{role} rank 1"]
+    def __init__(self, log: list, run, role: str, *_, **__) -> None:
+        self.log, self.run, self.role, self.actors = log, run, role, [f"{role} rank 0", f"{role} rank 1"]
 
     def async_init(self, load_rollout_id):
         self.log.append(f"{self.role} init starts")
@@ -169,7 +159,8 @@ def test_groups_initialise_one_after_the_other_and_on_shared_gpus_each_sleeps_be
     monkeypatch.setattr(placement, "RayTrainGroup", lambda *a, **k: _RecordingGroup(log, *a, **k))
     monkeypatch.setattr(placement, "use_gpu_bundles", lambda: use_gpu)
     args = _args("dmd2", 2, "--num-cpus-per-rank", "2")
-    groups = placement.create_training_models(args, compute_trainer_configs(args), {"actor": (None, [0, 1])}, started)
+    run = run_spec(args)
+    groups = placement.create_training_models(args, run, {"actor": (None, [0, 1])}, started)
     assert list(groups) == ["critic", "actor"] and [g.start_rollout_id for g in groups.values()] == [0, 0]
     assert started == [("actor", f"{role} rank {rank}") for role in ("critic", "actor") for rank in (0, 1)]
     # Colocated on GPUs, the critic sleeps before the actor loads; the actor, whose turn comes first, stays awake.
@@ -177,7 +168,8 @@ def test_groups_initialise_one_after_the_other_and_on_shared_gpus_each_sleeps_be
     assert log == [*critic, "actor init starts", "actor init done"]
     if use_gpu:  # an order that does not end with the actor: the last group sleeps too and the actor wakes
         log.clear()
-        placement.create_training_models(args, compute_trainer_configs(args)[::-1], {"actor": (None, [0, 1])})
+        reversed_run = dataclasses.replace(run, groups=run.groups[::-1])
+        placement.create_training_models(args, reversed_run, {"actor": (None, [0, 1])})
         assert log == ["actor init starts", "actor init done", "actor sleep starts", "actor sleep done",
                        "critic init starts", "critic init done", "critic sleep starts", "critic sleep done",
                        "actor wake_up starts", "actor wake_up done"]  # fmt: skip
@@ -253,15 +245,16 @@ def test_create_training_models_builds_dmd2_critic_first(ray_cluster, pipeline, 
     )  # fmt: skip
     pgs = placement.create_placement_groups(args)
     started = []
-    groups = placement.create_training_models(args, compute_trainer_configs(args), pgs, started=started)
+    groups = placement.create_training_models(args, run_spec(args), pgs, started=started)
     try:
         assert list(groups) == ["critic", "actor"]
         assert started == [("actor", handle) for group in groups.values() for handle in group.actors]
         assert [group.start_rollout_id for group in groups.values()] == [0, 0]
-        critic, actor = groups["critic"].args, groups["actor"].args
-        assert (critic.hf_checkpoint, critic.lr, critic.num_steps_per_rollout) == (str(pipeline), 2e-4, 2)
-        assert critic.save == str(tmp_path / "ckpt") + "_critic" and actor.save == str(tmp_path / "ckpt")
-        assert actor.teacher_load is None and critic.teacher_load == str(pipeline)
+        critic, actor = groups["critic"].spec, groups["actor"].spec
+        assert (critic.init, critic.optimizer.lr, critic.steps_per_rollout) == (str(pipeline), 2e-4, 2)
+        assert critic.checkpoint.save == str(tmp_path / "ckpt") + "_critic"
+        assert actor.checkpoint.save == str(tmp_path / "ckpt")
+        assert actor.teacher is None and critic.teacher == str(pipeline)
         assert ray.get(groups["critic"].async_sleep_state()) == ["awake", "awake"]
         # Each rank reports its device and what it holds: only the critic group holds the (frozen) teacher.
         critic_rank0, actor_rank0 = (ray.get(group.actors[0].describe.remote()) for group in groups.values())

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from miles.driver.specs import data_spec
 from miles.ray.rollout import RolloutManager
 from miles.utils.misc import make_generator
 from miles.utils.types import SideInput
@@ -24,7 +25,7 @@ def _setup(tmp_path):
 
 def test_each_shard_gets_one_real_record_per_sample_from_its_own_cursor(tmp_path):
     args, side = _setup(tmp_path)
-    manager = RolloutManager(args, 2, side)
+    manager = RolloutManager(data_spec(args), 2, side)
     shards = manager.shards(0)
     assert [len(shard) for shard in shards] == [4, 4]
     assert all(len(shard.side_data["real"].records) == len(shard) for shard in shards)
@@ -34,19 +35,19 @@ def test_each_shard_gets_one_real_record_per_sample_from_its_own_cursor(tmp_path
     order = torch.randperm(10, generator=make_generator("real_shuffle", args.rollout_seed, 0)).tolist()
     assert first == [f"real {i}" for i in order[:8]]
     # The prompts' order is the prompt source's alone: the same with or without real data.
-    plain = RolloutManager(args, 2).shards(0)
+    plain = RolloutManager(data_spec(args), 2).shards(0)
     assert [shard.prompts for shard in plain] == [shard.prompts for shard in shards]
 
 
 def test_the_real_data_cursor_is_restored(tmp_path):
     args, side = _setup(tmp_path)
-    manager = RolloutManager(args, 2, side)
+    manager = RolloutManager(data_spec(args), 2, side)
     manager.shards(0)
     state = manager.state_dict()
     assert set(state) == {"data_source", "side_sources"} and set(state["side_sources"]) == {"real"}
     expected = [shard.side_data["real"].records for shard in manager.shards(1)]
-    resumed = RolloutManager(args, 2, side)
+    resumed = RolloutManager(data_spec(args), 2, side)
     resumed.load_state_dict(state)
     assert [shard.side_data["real"].records for shard in resumed.shards(1)] == expected
     with pytest.raises(ValueError, match="saved without side input 'real'"):
-        RolloutManager(args, 2, side).load_state_dict({"data_source": state["data_source"]})
+        RolloutManager(data_spec(args), 2, side).load_state_dict({"data_source": state["data_source"]})

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from miles.driver.arguments import parse_args
+from miles.driver.specs import data_spec
 from miles.ray.rollout import RayRolloutManager, RolloutManager
 from miles.utils.types import Box, PromptShard
 
@@ -33,7 +34,7 @@ def test_generate_returns_one_box_per_dp_rank_with_its_prompt_shard(ray_cluster,
     ray = ray_cluster
     path, records = data
     args = dmd2_args(path, "--no-rollout-shuffle")
-    manager = RayRolloutManager.remote(args, 2)
+    manager = RayRolloutManager.remote(data_spec(args), 2)
     boxes = ray.get(manager.generate.remote(0))
     assert len(boxes) == 2 and all(isinstance(box, Box) for box in boxes)
     shards = [ray.get(box.inner) for box in boxes]
@@ -59,20 +60,20 @@ def test_generate_returns_one_box_per_dp_rank_with_its_prompt_shard(ray_cluster,
 
 def test_shards_are_seeded_by_the_rollout_seed_and_split_exactly(data):
     path, records = data
-    shuffled = RolloutManager(dmd2_args(path), dp_size=2)
+    shuffled = RolloutManager(data_spec(dmd2_args(path)), dp_size=2)
     order = shuffled.data_source._epoch_order(0)
     shards = shuffled.shards(0)
     assert [shard.records[0]["label"] for shard in shards] == [order[0], order[2]]
-    again = RolloutManager(dmd2_args(path), dp_size=2).shards(0)
+    again = RolloutManager(data_spec(dmd2_args(path)), dp_size=2).shards(0)
     assert [shard.prompts for shard in again] == [shard.prompts for shard in shards]
     # One shard at DP 1 holds the same samples in the same order as the shards of DP 2.
-    (whole,) = RolloutManager(dmd2_args(path), dp_size=1).shards(0)
+    (whole,) = RolloutManager(data_spec(dmd2_args(path)), dp_size=1).shards(0)
     assert whole.sample_indices == shards[0].sample_indices + shards[1].sample_indices
     assert whole.prompts == shards[0].prompts + shards[1].prompts
 
 
 def test_uneven_split_raises_naming_the_flags(data):
     path, _ = data
-    manager = RolloutManager(dmd2_args(path), dp_size=3)
+    manager = RolloutManager(data_spec(dmd2_args(path)), dp_size=3)
     with pytest.raises(ValueError, match="4 prompts do not split evenly over 3 DP ranks: make --rollout-batch-size"):
         manager.shards(0)

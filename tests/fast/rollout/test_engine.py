@@ -15,7 +15,7 @@ from miles.rollout.engine import convert_samples, data_samples
 from miles.utils.misc import make_generator
 from miles.utils.sampling import FlowNoiseSchedule, initial_noise, sample_latents
 from miles.utils.types import TrainPair
-from tests.support.rollout import STOP_STEPS_HOOK, make_engine, prompt_shard
+from tests.support.rollout import STOP_STEPS_HOOK, engine_spec, make_engine, prompt_shard
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 3", "a handwritten digit 8", "a handwritten digit 0"]
 INDICES = [0, 1, 2, 3]
@@ -92,7 +92,7 @@ def test_dmd2_rule_equals_the_hand_written_loop(engine):
 
 def test_euler_rule_and_cfg_equal_the_hand_written_loop(pipeline, engine):
     args = make_args(pipeline, "--diffusion-step-rule", "euler", "--diffusion-guidance-scale", "3.0")
-    guided = make_engine(args, pipeline, conditioner=PromptConditioner(args, engine.family, pipeline))
+    guided = make_engine(args, pipeline, conditioner=PromptConditioner(engine_spec(args), engine.family, pipeline))
     samples = guided.generate(prompt_shard(0, PROMPTS, INDICES))
     xs, x0s, final = hand_loop(guided, PROMPTS, INDICES, 0, "euler", guidance=3.0)
     for b, sample in enumerate(samples):
@@ -270,9 +270,10 @@ def test_train_only_sft_pairs_carry_the_data_images(pipeline, engine, digits_dat
         ["--hf-checkpoint", str(pipeline), "--prompt-data", str(data), "--train-only", "--rollout-shuffle"]
         + ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
     )
-    manager = RolloutManager(args, dp_size=1)
+    spec = engine_spec(args)
+    manager = RolloutManager(spec.data, dp_size=1)
     (shard,) = manager.shards(0)
-    samples = data_samples(args, engine.family, engine.conditioner, shard, (1, 8, 8))
+    samples = data_samples(spec, engine.family, engine.conditioner, shard, (1, 8, 8))
     pairs = convert_samples(args, expand_samples_to_train_pairs, samples)
     order = manager.data_source._epoch_order(0)
     assert [pair.sample_index for pair in pairs] == [0, 1, 2, 3]
@@ -286,12 +287,12 @@ def test_train_only_sft_pairs_carry_the_data_images(pipeline, engine, digits_dat
     assert samples[0].metadata == {"label": records[order[0]]["label"]}
     assert all(sample.trajectory is None for sample in samples)  # data samples are not sampled
     (next_shard,) = manager.shards(1)
-    assert data_samples(args, engine.family, engine.conditioner, next_shard, (1, 8, 8))[0].metadata == {
+    assert data_samples(spec, engine.family, engine.conditioner, next_shard, (1, 8, 8))[0].metadata == {
         "label": records[order[2]]["label"]
     }
     # a latent shape the model does not take is rejected naming the sample
     with pytest.raises(ValueError, match="--train-only sample 0 .*latent of shape \\(1, 8, 8\\) but the model takes"):
-        data_samples(args, engine.family, engine.conditioner, shard, (1, 16, 16))
+        data_samples(spec, engine.family, engine.conditioner, shard, (1, 16, 16))
 
 
 def test_convert_samples_checks_what_the_converter_returns(engine):
@@ -299,9 +300,13 @@ def test_convert_samples_checks_what_the_converter_returns(engine):
     samples = engine.generate(prompt_shard(0, PROMPTS[:2], [0, 1]))
     pairs = convert_samples(args, expand_samples_to_train_pairs, samples)
     assert all(isinstance(pair, TrainPair) for pair in pairs) and len(pairs) == 2
-    converter = args.custom_expand_samples_to_train_pairs_path
-    with pytest.raises(ValueError, match=rf"converter {converter} returned tuple; expected a list of"):
-        convert_samples(args, lambda args, samples: tuple(pairs), samples)
+
+    def as_tuple(args, samples):
+        return tuple(pairs)
+
+    # The message names the converter that ran (the function the spec holds), by its module and name.
+    with pytest.raises(ValueError, match=rf"converter {__name__}\.[a-z_.<>]*as_tuple returned tuple; expected a list"):
+        convert_samples(args, as_tuple, samples)
     with pytest.raises(
         ValueError, match="returned a list holding Sample; expected a list of miles.utils.types.TrainPair"
     ):

@@ -14,6 +14,7 @@ from miles.rollout.conditioning import PromptConditioner
 from miles.rollout.data_source import make_prompt_shard
 from miles.rollout.engine import RolloutEngine
 from miles.rollout.prompt_cache import main, prompt_hash, read_prompt_records, write_prompt_cache
+from tests.support.rollout import engine_spec
 from tests.support.sd3_t5 import tiny_sd3_t5_pipeline
 from tests.support.trainer import make_pipeline
 
@@ -68,8 +69,9 @@ def _engine_samples(pipeline, data, records, *extra):
         + ["--diffusion-num-steps", "3", "--diffusion-guidance-scale", "2", "--negative-prompt", "blurry", *extra]
     )
     family = get_model_family(pipeline)
-    conditioner = PromptConditioner(args, family, pipeline)
-    engine = RolloutEngine(args, family, family.load_denoiser(pipeline), conditioner, family.latent_shape(pipeline))
+    spec = engine_spec(args)
+    conditioner = PromptConditioner(spec, family, pipeline)
+    engine = RolloutEngine(spec, family, family.load_denoiser(pipeline), conditioner, family.latent_shape(pipeline))
     shard = make_prompt_shard(5, records, input_key="prompt", base_dir=data.parent)
     return engine.generate(shard), conditioner
 

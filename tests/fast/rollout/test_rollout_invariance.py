@@ -2,16 +2,16 @@
 bit for bit, at 1 and at 2 DP ranks (a sample's noise and stop step depend only on seed, rollout and sample index,
 and every micro-batch holds the same samples whatever the DP size)."""
 
+import dataclasses
 import json
 
 import pytest
 import ray
 import torch
 
-from miles.methods import compute_trainer_configs
 from miles.ray.placement_group import create_placement_groups, create_training_models
 from miles.ray.rollout import RolloutManager
-from tests.support.trainer import make_args, make_pipeline
+from tests.support.trainer import make_args, make_pipeline, run_spec
 
 PROMPTS = [f"a handwritten digit {digit}" for digit in (3, 1, 4, 1, 5, 9, 2, 6)]
 
@@ -39,10 +39,10 @@ def _rollout(setup, ranks: int, rollout_id: int = 3):
         train_only=False,
     )  # fmt: skip
     pgs = create_placement_groups(args)
-    actor_config = [config for config in compute_trainer_configs(args) if config.role == "actor"]
-    groups = create_training_models(args, actor_config, pgs)
+    run = run_spec(args)
+    groups = create_training_models(args, dataclasses.replace(run, groups=(run.group("actor"),)), pgs)
     try:
-        shards = RolloutManager(args, ranks).generate(rollout_id)
+        shards = RolloutManager(run.engine.data, ranks).generate(rollout_id)
         results = ray.get(groups["actor"].async_generate(rollout_id, shards))
         pairs = [pair for result in results for pair in ray.get(result.pairs.inner)]
         return pairs, [result.num_pairs for result in results]
@@ -76,6 +76,6 @@ def test_each_rank_generates_its_own_prompts(setup):
     """Rank r's shard is prompts r·4 .. r·4 + 3: the RolloutManager splits prompts, the ranks sample them."""
     _, root = setup
     args = make_args(setup[0], root, "--rollout-batch-size", "8", "--no-rollout-shuffle", train_only=False)
-    shards = RolloutManager(args, 2).shards(0)
+    shards = RolloutManager(run_spec(args).engine.data, 2).shards(0)
     assert [shard.sample_indices for shard in shards] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [shard.prompts for shard in shards] == [PROMPTS[:4], PROMPTS[4:]]

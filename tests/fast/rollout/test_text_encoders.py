@@ -15,6 +15,7 @@ from miles.driver.arguments import parse_args
 from miles.models import get_model_family
 from miles.rollout.generator import RolloutGenerator
 from miles.utils.collectives import LocalCollectives
+from tests.support.rollout import engine_spec
 from tests.support.sd3_t5 import tiny_sd3_t5_pipeline
 from tests.support.trainer import make_pipeline
 
@@ -37,8 +38,8 @@ def _generator(pipeline, tmp_path, dtype: str, handed: list) -> RolloutGenerator
     )  # fmt: skip
     family = get_model_family(pipeline)
     return RolloutGenerator(
-        args, family, family.load_denoiser(pipeline), device=CPU, collectives=LocalCollectives(),
-        on_text_encoder=handed.append,
+        engine_spec(args), family, family.load_denoiser(pipeline), args=args, device=CPU,
+        collectives=LocalCollectives(), on_text_encoder=handed.append,
     )  # fmt: skip
 
 

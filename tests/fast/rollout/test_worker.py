@@ -15,12 +15,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from miles.backends.fsdp_utils.trainer import GroupTrainer
 from miles.eval.digits.data import write_digits_jsonl
-from miles.models import get_model_family
 from miles.ray.rollout import RolloutManager
 from miles.rollout.generator import RolloutGenerator
 from miles.rollout.worker import RolloutEngineWorker
 from miles.utils.collectives import ProcessGroupCollectives
-from tests.support.trainer import free_port, make_args, make_pipeline
+from tests.support.trainer import free_port, make_args, make_pipeline, run_spec
 
 CPU = torch.device("cpu")
 
@@ -51,20 +50,28 @@ def _x0(pairs) -> torch.Tensor:
     return torch.stack([pair.x0 for pair in pairs])
 
 
-def _actor_rank(rank: int, port: int, args, results) -> None:
+def _actor_rank(rank: int, port: int, run, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        family = get_model_family(args.hf_checkpoint)
+        family = run.engine.make_family()
         collectives = ProcessGroupCollectives(CPU)
-        trainer = GroupTrainer(args, "actor", family=family, device=CPU, collectives=collectives, mesh=mesh)
-        actor = RolloutGenerator(
-            args, family, trainer.models.denoiser, device=CPU, collectives=collectives, inference=trainer.inference
+        trainer = GroupTrainer(
+            run.group("actor"), family, device=CPU, collectives=collectives, mesh=mesh, args=run.args
         )
-        shards = RolloutManager(args, dp_size=2).shards(0)
+        actor = RolloutGenerator(
+            run.engine,
+            family,
+            trainer.models.denoiser,
+            args=run.args,
+            device=CPU,
+            collectives=collectives,
+            inference=trainer.inference,
+        )
+        shards = RolloutManager(run.engine.data, dp_size=2).shards(0)
         before = actor.generate(shards[rank])
         trainer.train(0, before, {})
         after = actor.generate(shards[rank])
@@ -79,13 +86,13 @@ def _actor_rank(rank: int, port: int, args, results) -> None:
 def test_a_replica_samples_what_the_actor_ranks_sample_in_bf16_before_and_after_an_update(pipeline, tmp_path):
     """A float32 replica without autocast once drew other samples than the bf16 actor ranks (and ran its matmuls in
     float32, about 10× slower on an H100 than bf16)."""
-    args = _args(pipeline, tmp_path)
+    run = run_spec(_args(pipeline, tmp_path))
     results = mp.Manager().dict()
-    mp.spawn(_actor_rank, args=(free_port(), args, results), nprocs=2)
+    mp.spawn(_actor_rank, args=(free_port(), run, results), nprocs=2)
     ranks = [results[0], results[1]]
-    shards = RolloutManager(args, dp_size=2).shards(0)
+    shards = RolloutManager(run.engine.data, dp_size=2).shards(0)
     replica = RolloutEngineWorker()
-    replica.init(args)
+    replica.init(run)
     for shard, rank in zip(shards, ranks):
         assert torch.equal(_x0(replica.generator.generate(shard)), rank["before"])
     replica.load_weights(ranks[0]["weights"])
@@ -102,9 +109,8 @@ def test_load_weights_copies_into_the_replicas_own_tensors(pipeline, tmp_path):
     (the replica once converted the whole state dict there before loading it: a second full copy in GPU memory):
     here the update arrives in float64, a dtype the replica does not hold, so every tensor must be converted; the
     bytes allocated during the load are counted with the CPU profiler."""
-    args = _args(pipeline, tmp_path)
     replica = RolloutEngineWorker()
-    replica.init(args)
+    replica.init(run_spec(_args(pipeline, tmp_path)))
     denoiser = replica.generator.denoiser
     targets = denoiser.state_dict(keep_vars=True)
     pointers = {key: tensor.data_ptr() for key, tensor in targets.items()}

@@ -20,6 +20,7 @@ from miles.utils.health import (
     reference_figures,
     sample_figures,
 )
+from tests.support.rollout import engine_spec
 from tests.support.trainer import make_args, make_pipeline
 
 PROMPTS = [f"a handwritten digit {digit}" for digit in (1, 1, 1, 1, 7, 7, 7, 7)]
@@ -72,13 +73,15 @@ def _student_x0(pipeline, tmp_path, zero_output: bool) -> torch.Tensor:
         with torch.no_grad():
             denoiser.proj_out.weight.zero_()
             denoiser.proj_out.bias.zero_()
+    spec = engine_spec(args)
     engine = RolloutEngine(
-        args,
+        spec,
         family,
         denoiser,
-        PromptConditioner(args, family, pipeline),
+        PromptConditioner(spec, family, pipeline),
         family.latent_shape(pipeline),
         read_scheduler_config(pipeline)["num_train_timesteps"],
+        args=args,
     )
     samples = engine.generate(make_prompt_shard(0, [{"prompt": p} for p in PROMPTS], input_key="prompt"))
     return torch.stack([sample.trajectory.x0_preds[0] for sample in samples])

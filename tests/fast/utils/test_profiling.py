@@ -8,12 +8,11 @@ import json
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.trainer import GroupTrainer
 from miles.driver.arguments import parse_args
 from miles.models import get_model_family
 from miles.utils.collectives import LocalCollectives
 from miles.utils.profiling import rollout_range
-from tests.support.trainer import digits_pairs, make_args, make_pipeline
+from tests.support.trainer import digits_pairs, make_args, make_pipeline, make_trainer
 
 
 @pytest.mark.parametrize("text, expected", [("0", (0, 1)), ("5", (5, 6)), ("5:8", (5, 8))])
@@ -58,9 +57,7 @@ def test_the_trainer_traces_only_the_chosen_rollout_and_trains_the_same(tmp_path
     for name, rollouts in (("plain", None), ("traced", (1, 2))):
         args = make_args(pipeline, tmp_path / name, num_steps_per_rollout=2, profile_rollouts=rollouts)
         torch.manual_seed(args.seed)
-        trainer = GroupTrainer(
-            args, "actor", family=family, device=torch.device("cpu"), collectives=LocalCollectives()
-        )
+        trainer = make_trainer(args, family=family, collectives=LocalCollectives())
         losses[name] = [
             record["train/loss"]
             for rollout_id in range(3)

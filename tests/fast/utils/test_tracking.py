@@ -27,7 +27,9 @@ def test_jsonl_records_from_two_writers(tmp_path):
 
 def test_wandb_runs_offline_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    args = SimpleNamespace(output_dir=str(tmp_path), use_wandb=True, wandb_project="miles-test", wandb_mode="offline")
+    args = SimpleNamespace(
+        output_dir=str(tmp_path), use_wandb=True, wandb_project="miles-test", wandb_mode="offline", wandb_run_name=None
+    )
     tracker = MetricsTracker(args, job="critic")
     try:
         assert tracker._wandb_run.settings.mode == "offline"
@@ -46,7 +48,13 @@ def test_tracker_records_image_paths_and_sends_them_to_wandb_as_media(tmp_path, 
     assert (record["rollout_id"], record["eval/accuracy"], record["eval/samples"]) == (7, 0.5, png)
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    wandb_args = SimpleNamespace(output_dir=str(tmp_path / "wb"), use_wandb=True, wandb_project="miles-test")
+    wandb_args = SimpleNamespace(
+        output_dir=str(tmp_path / "wb"),
+        use_wandb=True,
+        wandb_project="miles-test",
+        wandb_mode=None,
+        wandb_run_name=None,
+    )
     tracker = MetricsTracker(wandb_args, job="driver")
     try:
         tracker.log({"eval/accuracy": 0.25}, 2, images={"eval/samples": png})

@@ -11,12 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.models.lora import parse_target_modules
+from miles.utils.flags import derived, from_namespace, option
 from miles.utils.types import TrainPair
+from miles.utils.validation import int_list
 
-__all__ = ["DMD2Pair", "DMD2Settings", "REAL_DATA", "dmd2_settings"]
+__all__ = ["DMD2Pair", "DMD2Settings", "REAL_DATA", "SCORING_SIGMA_RULES", "dmd2_settings"]
 
 # The DMD2 GAN's side input: one real sample per generated one (``pair.extras[REAL_DATA]``, a data Sample).
 REAL_DATA = "real"
+# The scoring σ rules of --dmd2-scoring-sigma (drawn in loss_hub.scoring_sigma).
+SCORING_SIGMA_RULES = ("grid", "shift", "logit-normal")
 
 
 @dataclass(kw_only=True)
@@ -38,11 +43,16 @@ class DMD2Pair(TrainPair):
 
 @dataclass(frozen=True)
 class DMD2Settings:
-    """The ``--loss-type dmd2`` flags, typed, as its hooks read them (see ``miles.methods.dmd2`` for each flag).
+    """The ``--loss-type dmd2`` flags, typed, as its hooks read them; each field declares its own flag
+    (:func:`miles.utils.flags.option`: ``--dmd2-<name>`` unless named otherwise), so a flag is written once.
 
     Attributes:
+        critic_load: the critic's init pipeline (``--critic-load``; filled with ``--teacher-load``).
+        critic_lr: the critic's learning rate (``--critic-lr``; filled with ``--lr``).
+        critic_lora_rank, critic_lora_alpha, critic_lora_target_modules, critic_lora_dropout: the critic's LoRA
+            (``--critic-lora-*``; filled with the student's ``--lora-*``).
         critic_steps_per_rollout: K critic steps per student step.
-        teacher_guidance_scale: CFG scale of the teacher's score (1 = no CFG).
+        teacher_guidance_scale: CFG scale of the teacher's score (1 = no CFG; filled with the teacher's stock scale).
         teacher_cfg_norm_rescale: rescale the teacher's true-CFG velocity per token as its stock sampler does
             (``TrueCFG.norm_rescaled_cfg``; Qwen-Image).
         critic_scoring: ``"fused"`` or ``"original"``.
@@ -62,65 +72,158 @@ class DMD2Settings:
         reward_function_path: the reward hook ``fn(images, prompts) -> rewards`` by dotted path, or None.
         regression_weight: w of DMD's regression loss on cached teacher pairs (``loss_hub.regression``; 0: off).
         regression_pairs: the JSONL of those pairs (``python -m miles.rollout.regression_pairs``), or None.
+        teacher_guidance_form: derived: ``"true CFG"`` or ``"embedded"``, the teacher family's guidance form.
+        teacher_guidance_origin: derived: one line for the dry run on where the teacher's guidance came from.
     """
 
-    critic_steps_per_rollout: int = 5
-    teacher_guidance_scale: float = 1.0
-    teacher_cfg_norm_rescale: bool = False
-    critic_scoring: str = "fused"
-    min_timestep_ratio: float = 0.02
-    max_timestep_ratio: float = 0.98
-    scoring_sigma: str = "grid"
-    scoring_shift: float = 1.0
-    scoring_logit_mean: float = 0.0
-    scoring_logit_std: float = 1.0
-    gan_disc_weight: float = 0.0
-    gan_gen_weight: float = 0.0
-    gan_real_data: str | None = None
-    gan_max_timestep_ratio: float = 0.98
-    gan_feature_blocks: tuple[int, ...] | None = None
-    gan_start_rollout: int = 0
-    gan_projection: bool = False
-    gan_mismatch_weight: float = 0.0
-    gan_r1_weight: float = 0.0
-    gan_r1_alpha: float = 0.1
-    gan_eval_real_data: str | None = None
-    reward_weight: float = 0.0
-    reward_function_path: str | None = None
-    regression_weight: float = 0.0
-    regression_pairs: str | None = None
+    flag_prefix = "dmd2-"
+
+    critic_load: str | None = option(
+        help="Critic (fake score) init pipeline directory; defaults to --teacher-load.", flag="--critic-load"
+    )
+    critic_lr: float | None = option(
+        help="Critic learning rate; defaults to --lr.", flag="--critic-lr", check={"low": 0}
+    )
+    critic_lora_rank: int | None = option(
+        help="Train the critic as a LoRA of this rank on the teacher's weights (one base in the critic group; "
+        "the teacher runs with the adapters off); 0 trains full weights. Defaults to --lora-rank.",
+        flag="--critic-lora-rank",
+    )
+    critic_lora_alpha: float | None = option(
+        help="Critic's lora_alpha; defaults to --lora-alpha.", flag="--critic-lora-alpha"
+    )
+    critic_lora_target_modules: tuple[str, ...] | None = option(
+        help="Critic's LoRA target modules; defaults to --lora-target-modules.",
+        flag="--critic-lora-target-modules",
+        parse=parse_target_modules,
+    )
+    critic_lora_dropout: float | None = option(
+        help="Critic's LoRA dropout; defaults to --lora-dropout.", flag="--critic-lora-dropout"
+    )
+    critic_steps_per_rollout: int = option(
+        5, help="K critic (fake score) updates per student update, over the same DP shard.", check={"low": 1}
+    )
+    teacher_guidance_scale: float = option(
+        1.0,
+        help="Guidance scale of the teacher's score (1 = none; true CFG, or FLUX.1-dev's guidance input); the "
+        "critic scores unguided. Default: the teacher's stock pipeline's (SD3 7, Qwen-Image 4, FLUX.1-dev 3.5, "
+        "FLUX.2-klein base 4, Wan 5; else 1).",
+        flag_default=None,
+        check={"low": 1, "hint": "(1 = no CFG)"},
+    )
+    teacher_cfg_norm_rescale: bool = option(
+        False,
+        help="Rescale the teacher's true-CFG velocity to the conditional one's norm per token, as the stock "
+        "Qwen-Image sampler does, so the scale means its true_cfg_scale. Default: on for qwen_image.",
+        action=argparse.BooleanOptionalAction,
+        flag_default=None,
+    )
+    critic_scoring: str = option(
+        "fused",
+        help="fused: score after the K critic steps; original: score before the last critic step (reference).",
+        choices=("fused", "original"),
+    )
+    min_timestep_ratio: float = option(0.02, help="Lowest scoring timestep / 1000 (reference 2%%).", check={})
+    max_timestep_ratio: float = option(0.98, help="Highest scoring timestep / 1000 (reference 98%%).", check={})
+    scoring_sigma: str = option(
+        "grid",
+        help="Scoring σ draw: grid (uniform over the --fsdp-flow-shift grid), shift (--dmd2-scoring-shift) or "
+        "logit-normal (SD3's, --dmd2-scoring-logit-mean/-std); all within the min/max timestep ratios.",
+        choices=SCORING_SIGMA_RULES,
+    )
+    scoring_shift: float = option(
+        1.0,
+        help="With --dmd2-scoring-sigma shift: σ = k·s/(1+(k−1)·s), s uniform; 1 = uniform σ, < 1 favours low σ.",
+        check={"low": 0, "low_open": True},
+    )
+    scoring_logit_mean: float = option(
+        0.0,
+        help="With --dmd2-scoring-sigma logit-normal: mean of logit(σ) (SD3: 0; negative favours low σ).",
+        check={},
+    )
+    scoring_logit_std: float = option(
+        1.0,
+        help="With --dmd2-scoring-sigma logit-normal: standard deviation of logit(σ) (SD3: 1).",
+        check={"low": 0, "low_open": True},
+    )
+    gan_disc_weight: float = option(
+        0.0,
+        help="Phase 2: weight of the critic's discriminator loss (reference 1e-2); > 0 adds the GAN head.",
+        check={"low": 0},
+    )
+    gan_gen_weight: float = option(
+        0.0,
+        help="Phase 2: weight of the student's GAN loss (reference 1e-3 to 5e-3); needs the disc weight.",
+        check={"low": 0},
+    )
+    gan_real_data: str | None = option(
+        help="Phase 2: JSONL of real samples (image or latent, and prompt) the discriminator sees."
+    )
+    gan_max_timestep_ratio: float = option(
+        0.98,
+        help="Phase 2: highest diffusion-GAN noise timestep / 1000 (tianweiy/DMD2's diffusion_gan_max_timestep).",
+        check={},
+    )
+    gan_feature_blocks: tuple[int, ...] | None = option(
+        help="Phase 2: critic blocks whose image tokens feed the head, e.g. '6,12'; default the middle one.",
+        parse=int_list,
+    )
+    gan_start_rollout: int = option(
+        0,
+        help="Phase 2: the student adds the GAN gradient from this rollout on (the head trains from the start).",
+        check={"low": 0},
+    )
+    gan_projection: bool = option(
+        False,
+        help="Phase 2: add the projection term <V·pooled prompt embedding, φ(x)> to the head (Miyato & Koyama 2018).",
+        action=argparse.BooleanOptionalAction,
+    )
+    gan_mismatch_weight: float = option(
+        0.0,
+        help="Phase 2: weight of real images shown with another sample's prompt as fakes (Reed et al. 2016).",
+        check={"low": 0},
+    )
+    gan_r1_weight: float = option(
+        0.0,
+        help="Phase 2: weight of the approximate R1 penalty mean((D(real) − D(real + α·ε))²) (FastGen, APT).",
+        check={"low": 0},
+    )
+    gan_r1_alpha: float = option(
+        0.1,
+        help="Phase 2: α, the std of the approximate R1's pixel perturbation of the clean reals (FastGen: 0.1).",
+        check={"low": 0},
+    )
+    gan_eval_real_data: str | None = option(
+        help="Phase 2: held-out real samples (JSONL like --dmd2-gan-real-data) on which every evaluation logs the "
+        "discriminator's quality (eval/disc_*)."
+    )
+    reward_weight: float = option(
+        0.0,
+        help="DMDR: w of the reward term; the student's x0 gradient gains −w·∂reward/∂x̂0 from a frozen reward group "
+        "(0 = off: no reward group).",
+        check={"low": 0},
+    )
+    reward_function_path: str | None = option(
+        help="DMDR: the reward hook fn(images, prompts) -> rewards by dotted path; images float32 (B, C, H, W) in "
+        "[0, 1] with autograd, rewards (B,), higher is better (digits: miles.eval.digits.reward.digit_log_prob)."
+    )
+    regression_weight: float = option(
+        0.0,
+        help="DMD's regression loss: w of mean((x0 - y)^2) between the student's one-step output from a cached "
+        "noise and the teacher's ODE sample y from it (DMD: 0.25 with LPIPS; 0 = off).",
+        check={"low": 0},
+    )
+    regression_pairs: str | None = option(
+        help="With --dmd2-regression-weight: the pairs' JSONL, written once by python -m "
+        "miles.rollout.regression_pairs TEACHER PROMPTS OUT_DIR (OUT_DIR/pairs.jsonl)."
+    )
+    teacher_guidance_form: str = derived("true CFG")
+    teacher_guidance_origin: str = derived("")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DMD2Settings":
-        """The settings of parsed ``--dmd2-*`` flags."""
-        blocks = args.dmd2_gan_feature_blocks
-        return cls(
-            critic_steps_per_rollout=args.dmd2_critic_steps_per_rollout,
-            teacher_guidance_scale=float(args.dmd2_teacher_guidance_scale),
-            teacher_cfg_norm_rescale=bool(getattr(args, "dmd2_teacher_cfg_norm_rescale", False)),
-            critic_scoring=args.dmd2_critic_scoring,
-            min_timestep_ratio=args.dmd2_min_timestep_ratio,
-            max_timestep_ratio=args.dmd2_max_timestep_ratio,
-            scoring_sigma=args.dmd2_scoring_sigma,
-            scoring_shift=float(args.dmd2_scoring_shift),
-            scoring_logit_mean=float(args.dmd2_scoring_logit_mean),
-            scoring_logit_std=float(args.dmd2_scoring_logit_std),
-            gan_disc_weight=float(args.dmd2_gan_disc_weight),
-            gan_gen_weight=float(args.dmd2_gan_gen_weight),
-            gan_real_data=args.dmd2_gan_real_data,
-            gan_max_timestep_ratio=args.dmd2_gan_max_timestep_ratio,
-            gan_feature_blocks=tuple(int(block) for block in blocks) if blocks else None,
-            gan_start_rollout=int(args.dmd2_gan_start_rollout),
-            gan_projection=bool(args.dmd2_gan_projection),
-            gan_mismatch_weight=float(args.dmd2_gan_mismatch_weight),
-            gan_r1_weight=float(args.dmd2_gan_r1_weight),
-            gan_r1_alpha=float(args.dmd2_gan_r1_alpha),
-            gan_eval_real_data=args.dmd2_gan_eval_real_data,
-            reward_weight=float(args.dmd2_reward_weight),
-            reward_function_path=args.dmd2_reward_function_path,
-            regression_weight=float(args.dmd2_regression_weight),
-            regression_pairs=args.dmd2_regression_pairs,
-        )
+        """The settings of parsed (and default-filled) ``--loss-type dmd2`` flags."""
+        return from_namespace(cls, args)
 
     @property
     def gan_enabled(self) -> bool:
@@ -131,6 +234,11 @@ class DMD2Settings:
     def reward_enabled(self) -> bool:
         """The reward group (DMDR) runs when the reward term has a weight."""
         return self.reward_weight > 0
+
+    @property
+    def regression_enabled(self) -> bool:
+        """DMD's regression term is on when it has a weight."""
+        return self.regression_weight > 0
 
 
 def dmd2_settings(args) -> DMD2Settings:

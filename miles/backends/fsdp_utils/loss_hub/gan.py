@@ -204,7 +204,7 @@ def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Modu
     """
     from miles.models import get_model_family
 
-    family = get_model_family(args.hf_checkpoint, getattr(args, "diffusion_model_family", None))
+    family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
     critic = models[DENOISER]
     require(family, TokenFeatures, "the DMD2 GAN head (--dmd2-gan-disc-weight)")
     indices = feature_blocks(args, len(family.blocks(critic)))

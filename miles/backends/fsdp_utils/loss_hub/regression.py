@@ -50,7 +50,7 @@ def first_sigma(args) -> float:
     """σ_0 of the student's sampling schedule (``--diffusion-num-steps`` / ``--diffusion-flow-shift`` /
     ``--diffusion-timesteps``): the noise level its first step starts from, 1 on every shifted grid."""
     schedule = FlowNoiseSchedule(
-        args.diffusion_num_steps, args.diffusion_flow_shift, timesteps=getattr(args, "diffusion_timesteps", None)
+        args.diffusion_num_steps, args.diffusion_flow_shift, timesteps=args.diffusion_timesteps
     )
     return float(schedule.sigmas[0])
 

@@ -2,7 +2,7 @@
 
 DMDR (Jiang et al., "Distribution Matching Distillation Meets Reinforcement Learning", arXiv 2511.13649) adds a
 reward objective to DMD's: the generator minimises ``L_DM − w·r(x̂0)``. Here the reward lives in its own trainer
-group, ``reward`` (no optimizer, no checkpoint: :class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupTrainer`),
+group, ``reward`` (no optimizer, no checkpoint: :class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupRunner`),
 that runs between the critic and the actor:
 
 - reward group, train-output hook :func:`reward_gradient`: per pair, the student's rollout ``x̂0_i`` is decoded to
@@ -20,13 +20,13 @@ differentiable in ``images``; higher is better. The digits one is :func:`miles.e
 """
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.models.capabilities import DifferentiablePixels, require
-from miles.utils.misc import load_function
 from miles.utils.types import TrainPair
 
 __all__ = ["REWARD_ROLE", "add_reward_gradient", "reward_gradient", "score_and_gradient"]
@@ -66,39 +66,37 @@ def score_and_gradient(family, fn, x0: torch.Tensor, prompts: list[str]) -> tupl
     return rewards.detach().float(), grad.detach().float()
 
 
-def reward_gradient(ctx: TrainContext, train_pairs: list[TrainPair]) -> dict[str, torch.Tensor]:
+def reward_gradient(ctx: TrainContext, train_pairs: list[TrainPair], *, reward: Callable) -> dict[str, torch.Tensor]:
     """The reward group's train-output hook: each pair's reward and its gradient at the student's rollout ``x̂0_i``.
 
     Runs over this rank's whole DP shard in micro-batches of ``--micro-batch-size`` (no random draw: the reward is a
     deterministic function of ``x̂0_i``). The actor logs the rewards (``train/dmd2_reward``).
 
     Args:
-        ctx: reads ``args`` (the DMD2 settings' ``reward_function_path``, ``micro_batch_size``), ``family`` (its
+        ctx: reads ``args.micro_batch_size``, ``family`` (its
             :class:`~miles.models.capabilities.DifferentiablePixels`) and ``device``.
         train_pairs: this rank's DMD2 pairs; ``x0`` is the rollout's ``x̂0_i``, float32 ``(C, H, W)``; ``prompt``.
+        reward: ``--dmd2-reward-function-path``'s ``fn(images, prompts) -> rewards``, which the reward group binds
+            (the driver imports it once).
 
     Returns:
         On the CPU, in the shard's order: ``{"sample_index": int64 (N,), "reward": float32 (N,), "g_reward":
         float32 (N, C, H, W)}``, ``g_reward[j] = ∂r_j/∂x̂0_j``.
 
     Raises:
-        ValueError: with no pairs, without a reward hook, for a family without a differentiable decoder, or for a
+        ValueError: with no pairs, for a family without a differentiable decoder, or for a
             hook that returns no per-image differentiable rewards.
     """
     if not train_pairs:
         raise ValueError("reward_gradient got no train pairs; the reward group's DP shard is empty")
-    path = dmd2_settings(ctx.args).reward_function_path
-    if not path:
-        raise ValueError("the DMD2 reward group needs --dmd2-reward-function-path (fn(images, prompts) -> rewards)")
     require(ctx.family, DifferentiablePixels, "the DMD2 reward group (--dmd2-reward-weight)")
-    fn = load_function(path)
     size = ctx.args.micro_batch_size
     rewards, grads = [], []
     for start in range(0, len(train_pairs), size):
         chunk = train_pairs[start : start + size]
         x0 = torch.stack([pair.x0 for pair in chunk]).float().to(ctx.device)
-        reward, grad = score_and_gradient(ctx.family, fn, x0, [pair.prompt for pair in chunk])
-        rewards.append(reward.cpu())
+        scores, grad = score_and_gradient(ctx.family, reward, x0, [pair.prompt for pair in chunk])
+        rewards.append(scores.cpu())
         grads.append(grad.cpu())
     return {
         "sample_index": torch.tensor([pair.sample_index for pair in train_pairs], dtype=torch.long),

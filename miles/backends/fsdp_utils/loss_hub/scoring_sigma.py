@@ -9,13 +9,11 @@ import math
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub.dmd2_types import DMD2Settings
+from miles.backends.fsdp_utils.loss_hub.dmd2_types import SCORING_SIGMA_RULES, DMD2Settings
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS
 from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels
 
 __all__ = ["SCORING_SIGMA_RULES", "draw_scoring_levels", "scoring_sigmas", "shift_sigma"]
-
-SCORING_SIGMA_RULES = ("grid", "shift", "logit-normal")
 
 
 def shift_sigma(s: torch.Tensor, k: float) -> torch.Tensor:

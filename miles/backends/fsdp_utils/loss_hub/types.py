@@ -40,7 +40,9 @@ class TrainContext:
     """Everything a hook may read. One context per micro-batch; the trainer owns it.
 
     Attributes:
-        args: this trainer group's args (after its ``TrainerConfig`` overrides).
+        args: the command's parsed flags (``args.method_settings``: the method's typed settings); the group's own
+            settings (its init, learning rate, steps) are its spec's (:class:`miles.config.GroupSpec`), which the
+            trainer reads.
         models: trainable models by component name (``{DENOISER: FSDP module}``, ``DENOISER = "transformer"``).
         teacher_models: frozen models from ``--teacher-load`` by component name, ``{}`` without a teacher.
         external_data: earlier groups' train outputs for this rank and rollout, by role (``{"critic": ...}``).

@@ -1,28 +1,29 @@
 """FSDPTrainRayActor on CPU: real Ray, real gloo, real FSDP2, the digits pipeline and the real SFT and DMD2 hooks."""
 
+import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import ray
 import torch
 
-from miles.backends.fsdp_utils.hooks import load_hooks, metric_key, split_windows
+from miles.backends.fsdp_utils.hooks import check_hooks, metric_key, split_windows
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.config import GroupHooks
 from miles.driver import run_dir
+from miles.driver.specs import data_spec, resolve_hooks
 from miles.eval.digits.data import write_digits_jsonl
-from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
 from miles.ray.actor_group import RayTrainGroup
 from miles.ray.engine_group import EngineGroup
 from miles.ray.rollout import RolloutManager
 from miles.rollout.step_strategy_hub import stop_at_random_step
 from miles.utils.sampling import initial_noise
-from miles.utils.trainer_config import compute_trainer_args
 from miles.utils.types import Box, PromptShard, RolloutResult, TrainPair, TrainResult
+from miles.utils.validation import ArgumentValidationError
 from tests.support.rollout import prompt_shard
-from tests.support.trainer import SFT_LOSS, SFT_PREPARE, digits_pairs, make_args, make_pipeline
+from tests.support.trainer import SFT_LOSS, SFT_PREPARE, digits_pairs, make_args, make_pipeline, run_spec
 
 WORLD = 2
 PAIRS_PER_RANK = 4
@@ -49,9 +50,12 @@ def _rank_errors(refs) -> list[str]:
 
 
 def _spawn(args, role="actor", load_rollout_id=None):
+    run = run_spec(args)
+    if role not in run.roles:  # the run's group under another role's name (its metrics and messages name it)
+        run = dataclasses.replace(run, groups=(dataclasses.replace(run.groups[-1], role=role),))
     pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
     ray.get(pg.ready())
-    group = RayTrainGroup(args, role, 1, WORLD, (pg, list(range(WORLD))), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
+    group = RayTrainGroup(run, role, 1, WORLD, (pg, list(range(WORLD))), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
     starts = ray.get(group.async_init(load_rollout_id))
     return group, pg, starts
 
@@ -115,7 +119,7 @@ def test_two_rank_fsdp_sft_matches_single_process(ray_cluster, pipeline, family,
         engine_args = make_args(pipeline, tmp_path, train_only=False, prompt_data=prompts, rollout_num_gpus=1)
         engine_pg = ray.util.placement_group([{"CPU": 1}])
         ray.get(engine_pg.ready())
-        engines = EngineGroup(engine_args, (engine_pg, [0]), num_gpus=0.0, num_cpus=0.2)
+        engines = EngineGroup(run_spec(engine_args), (engine_pg, [0]), num_gpus=0.0, num_cpus=0.2)
         try:
             shard = prompt_shard("eval", ["a handwritten digit 3"] * 3)
             before = engines.evaluate(shard)
@@ -206,18 +210,13 @@ def test_sleep_wake_and_bad_inputs(ray_cluster, pipeline, family, tmp_path):
         _teardown(group, pg)
 
 
-def test_bad_hook_path_fails_at_init(ray_cluster, pipeline, tmp_path):
+def test_bad_hook_path_fails_in_the_driver_before_any_rank_starts(pipeline, tmp_path):
+    # The driver imports every hook path once, before Ray: no rank is spawned to find it out.
     args = make_args(pipeline, tmp_path, custom_loss_function_path="miles.no_such_module.loss")
-    pg = ray.util.placement_group([{"CPU": 1}] * WORLD)
-    ray.get(pg.ready())
-    group = RayTrainGroup(args, "actor", 1, WORLD, (pg, [0, 1]), num_gpus_per_actor=0, num_cpus_per_actor=0.4)
-    try:
-        with pytest.raises(ray.exceptions.RayTaskError, match="miles.no_such_module.loss.*cannot import module"):
-            ray.get(group.async_init())
-    finally:
-        for actor in group.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(pg)
+    with pytest.raises(
+        ArgumentValidationError, match="^--custom-loss-function-path: .*miles.no_such_module.loss.*cannot import"
+    ):
+        run_spec(args)
 
 
 def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_split_is_named(
@@ -233,10 +232,9 @@ def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_
         "--rollout-batch-size", "4", "--micro-batch-size", "2", train_only=False, prompt_data=str(data),
         custom_expand_samples_to_train_pairs_path="tests.support.trainer.dmd2_pairs_without_sample_99",
     )  # fmt: skip
-    actor_config = compute_trainer_configs(args)[1]
-    group, pg, _ = _spawn(compute_trainer_args(args, actor_config))
+    group, pg, _ = _spawn(args)  # the actor group of the DMD2 run (the critic is not spawned)
     try:
-        shards = RolloutManager(args, dp_size=WORLD).shards(0)
+        shards = RolloutManager(data_spec(args), dp_size=WORLD).shards(0)
         results = ray.get(group.async_generate(0, [Box(ray.put(shard)) for shard in shards]))
         assert all(isinstance(result, RolloutResult) for result in results)
         assert [result.num_pairs for result in results] == [4, 4]
@@ -274,22 +272,19 @@ def test_actor_ranks_generate_their_dmd2_shards_and_a_converter_that_breaks_the_
 
 
 # -- in-process pieces --------------------------------------------------------------------------------------------
-def test_load_hooks_by_path_and_unset_paths():
-    args = SimpleNamespace(
-        custom_prepare_train_batch_path=SFT_PREPARE,
-        custom_loss_function_path=SFT_LOSS,
-        custom_train_input_function_path=None,
-        custom_train_output_function_path="miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0",
-    )
-    hooks = load_hooks(args)
+def test_hooks_are_imported_once_by_the_driver_and_an_unset_prepare_or_loss_hook_is_named(pipeline, tmp_path):
+    scoring = "miles.backends.fsdp_utils.loss_hub.dmd2.predict_teacher_and_critic_x0"
+    args = make_args(pipeline, tmp_path, custom_train_output_function_path=scoring)
+    hooks = resolve_hooks(args).group.over(GroupHooks(prepare=prepare_sft_batch, loss=sft_loss_formula))
+    assert check_hooks(hooks) is hooks
     assert hooks.prepare is prepare_sft_batch and hooks.loss is sft_loss_formula and hooks.train_input is None
     assert hooks.train_output.__name__ == "predict_teacher_and_critic_x0"
-    args.custom_loss_function_path = None
+    assert hooks.names() == {"prepare": SFT_PREPARE, "loss": SFT_LOSS, "train_output": scoring}
     with pytest.raises(ValueError, match="--custom-loss-function-path is unset"):
-        load_hooks(args)
+        check_hooks(dataclasses.replace(hooks, loss=None))
     args.custom_loss_function_path = "miles.backends.fsdp_utils.loss_hub.sft.no_such_fn"
-    with pytest.raises(ValueError, match="has no attribute 'no_such_fn'"):
-        load_hooks(args)
+    with pytest.raises(ArgumentValidationError, match="has no attribute 'no_such_fn'"):
+        resolve_hooks(args)
 
 
 def test_split_windows_even_and_uneven():

@@ -16,14 +16,13 @@ from torch.distributed.tensor import DTensor
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.model import is_sharded
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from miles.config import OptimizerSpec, ScheduleSpec
 from miles.driver import run_dir
 from miles.models import get_model_family
 from tests.support.trainer import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group
 
-OPT_ARGS = SimpleNamespace(
-    lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
-    min_lr=0.0, lr_warmup_steps=2, lr_decay_style="cosine",
-)  # fmt: skip
+OPT_ARGS = OptimizerSpec(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+SCHEDULE = ScheduleSpec(total_steps=10, decay_style="cosine", warmup_steps=2, min_lr=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,7 @@ def _trainer(setup, steps: int, shard: bool = True, pipeline=None):
     """A group's checkpointed state after ``steps`` optimizer steps: ``(states, scheduler, model)``."""
     model = sharded_denoiser(setup.family, pipeline or setup.pipeline, setup.mesh, shard=shard)
     optimizer = build_optimizer([model], OPT_ARGS)
-    scheduler = build_lr_scheduler(optimizer, OPT_ARGS, total_steps=10)
+    scheduler = build_lr_scheduler(optimizer, SCHEDULE, OPT_ARGS.lr)
     for step in range(steps):
         denoiser_loss(setup.family, model, seed=step).backward()
         optimizer.step()

@@ -1,6 +1,8 @@
 """The generator EMA: diffusers' EMAModel warm-up math on the (sharded) weights, the swap for evaluation, and its
 checkpoint round trip through DCP."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,7 @@ from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.model import shard_model
 from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from miles.models import get_model_family
-from tests.support.trainer import denoiser_loss, make_args, make_pipeline, single_process_group
+from tests.support.trainer import denoiser_loss, make_args, make_pipeline, run_spec, single_process_group
 
 
 def _weights(modules: nn.ModuleDict) -> dict[str, torch.Tensor]:
@@ -23,13 +25,13 @@ def _weights(modules: nn.ModuleDict) -> dict[str, torch.Tensor]:
 def test_ema_follows_the_warmed_up_decay_and_swaps_for_evaluation(tmp_path):
     pipeline = make_pipeline(tmp_path / "digits")
     family = get_model_family(pipeline)
-    args = make_args(pipeline, tmp_path)
+    spec = run_spec(make_args(pipeline, tmp_path)).group("actor")
     with single_process_group() as mesh:
         model = family.load_denoiser(pipeline)
         model.train()
         shard_model(model, [], mesh, torch.float32, reshard_after_forward=False)
         modules = nn.ModuleDict({"transformer": model})
-        optimizer = build_optimizer([model], args)
+        optimizer = build_optimizer([model], spec.optimizer)
         ema = ParameterEMA(modules, decay=0.9)
         expected = _weights(modules)
         for step in range(1, 5):
@@ -56,7 +58,7 @@ def test_ema_follows_the_warmed_up_decay_and_swaps_for_evaluation(tmp_path):
 def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
     pipeline = make_pipeline(tmp_path / "digits")
     family = get_model_family(pipeline)
-    args = make_args(pipeline, tmp_path)
+    spec = run_spec(make_args(pipeline, tmp_path)).group("actor")
     with single_process_group() as mesh:
 
         def group():
@@ -64,8 +66,8 @@ def test_ema_shadows_round_trip_through_a_checkpoint(tmp_path):
             model.train()
             shard_model(model, [], mesh, torch.float32, reshard_after_forward=False)
             modules = nn.ModuleDict({"transformer": model})
-            optimizer = build_optimizer([model], args)
-            scheduler = build_lr_scheduler(optimizer, args, 10)
+            optimizer = build_optimizer([model], spec.optimizer)
+            scheduler = build_lr_scheduler(optimizer, dataclasses.replace(spec.schedule, total_steps=10), 1e-3)
             ema = ParameterEMA(modules, decay=0.99)
             states = {
                 "train": checkpoint.ModulesState(modules, optimizer),
@@ -120,17 +122,18 @@ def test_ema_min_decay_and_update_after_step_set_the_warm_up():
 
 
 def test_the_model_set_builds_its_ema_with_the_warm_up_flags(tmp_path):
-    """``build_model_set`` (the trainer's EMA) reads --ema-min-decay and --ema-update-after-step; a group of one needs
+    """``build_model_set`` (the trainer's EMA) reads the spec of --ema-min-decay and --ema-update-after-step; a group of one needs
     no process group."""
     from miles.backends.fsdp_utils.model_set import build_model_set
 
     pipeline = make_pipeline(tmp_path / "digits")
     flags = ["--ema-decay", "0.99", "--ema-min-decay", "0.5", "--ema-update-after-step", "2"]
     args = make_args(pipeline, tmp_path, *flags)
-    models = build_model_set(args, get_model_family(pipeline), torch.device("cpu"), torch.float32, None, [])
+    models = build_model_set(run_spec(args).group("actor"), get_model_family(pipeline), torch.device("cpu"),
+                             torch.float32, None, [])  # fmt: skip
     assert (models.ema._ema.decay, models.ema._ema.min_decay, models.ema._ema.update_after_step) == (0.99, 0.5, 2)
-    default = build_model_set(make_args(pipeline, tmp_path, "--ema-decay", "0.99"), get_model_family(pipeline),
-                              torch.device("cpu"), torch.float32, None, [])  # fmt: skip
+    default = build_model_set(run_spec(make_args(pipeline, tmp_path, "--ema-decay", "0.99")).group("actor"),
+                              get_model_family(pipeline), torch.device("cpu"), torch.float32, None, [])  # fmt: skip
     assert (default.ema._ema.min_decay, default.ema._ema.update_after_step) == (0.0, 0)
     from miles.driver.validators import validate_number_args
     from miles.utils.validation import ArgumentValidationError

@@ -17,7 +17,7 @@ from miles.backends.fsdp_utils.loss_hub.sft import sft_loss_formula
 from miles.backends.fsdp_utils.trainer import GroupTrainer, host_means, timed
 from miles.models import get_model_family
 from miles.utils.collectives import LocalCollectives
-from tests.support.trainer import digits_pairs, make_args, make_pipeline
+from tests.support.trainer import digits_pairs, make_args, make_pipeline, make_trainer
 
 HOST_READS = ("tolist", "item", "__float__", "__int__", "__bool__", "cpu")
 
@@ -84,12 +84,8 @@ def _trainer(pipeline, tmp_path, loss=None) -> GroupTrainer:
         lr_warmup_steps=3,
     )
     torch.manual_seed(args.seed)
-    trainer = GroupTrainer(
-        args, "actor", family=get_model_family(pipeline), device=torch.device("cpu"), collectives=LocalCollectives()
-    )
-    if loss is not None:
-        trainer.hooks.loss = loss
-    return trainer
+    hooks = {} if loss is None else {"loss": loss}
+    return make_trainer(args, family=get_model_family(pipeline), collectives=LocalCollectives(), **hooks)
 
 
 def _count_host_reads(monkeypatch, trainer: GroupTrainer) -> list[str]:

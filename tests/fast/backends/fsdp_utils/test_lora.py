@@ -34,6 +34,8 @@ from tests.support.trainer import (
     digits_pairs,
     make_args,
     make_pipeline,
+    make_trainer,
+    run_spec,
     single_process_group,
 )
 
@@ -135,8 +137,8 @@ def _critic_args(pipeline, tmp_path, rank: int):
 def test_a_lora_critic_group_holds_one_base(pipeline, family, tmp_path):
     sets = {}
     for rank in (0, 4):
-        args = _critic_args(pipeline, tmp_path, rank)
-        sets[rank] = build_model_set(args, family, CPU, torch.float32, None, build_converters(args))
+        spec = run_spec(_critic_args(pipeline, tmp_path, rank)).group("actor")
+        sets[rank] = build_model_set(spec, family, CPU, torch.float32, None, build_converters(spec))
     full, lora = sets[0], sets[4]
     base_bytes = sum(local_bytes(p) for p in family.load_denoiser(pipeline).parameters())
     adapter_bytes = sum(local_bytes(p) for _, p in adapter_parameters(lora.denoiser, ADAPTER_NAME))
@@ -150,7 +152,7 @@ def test_a_lora_critic_group_holds_one_base(pipeline, family, tmp_path):
 
 def _trainer(args, family) -> GroupTrainer:
     torch.manual_seed(args.seed)
-    return GroupTrainer(args, "actor", family=family, device=CPU, collectives=LocalCollectives())
+    return make_trainer(args, family=family, device=CPU, collectives=LocalCollectives())
 
 
 def _train(trainer, family, rollouts) -> list[float]:

@@ -1,18 +1,17 @@
 """AdamW's multi-tensor (``foreach``) update is the per-tensor update's math, on FSDP2's DTensor parameters; the LR
 schedule's warmup, constant and cosine phases."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.model import shard_model
-from miles.backends.fsdp_utils.optimizer import apply_optimizer_args, build_lr_scheduler, build_optimizer, lr_factor
+from miles.backends.fsdp_utils.optimizer import apply_optimizer_spec, build_lr_scheduler, build_optimizer, lr_factor
+from miles.config import OptimizerSpec, ScheduleSpec
 from miles.models import get_model_family
 from tests.support.trainer import denoiser_loss, make_pipeline, single_process_group
 
-ARGS = SimpleNamespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.01)
+ARGS = OptimizerSpec(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
 def _train(pipeline, mesh, foreach: bool, steps: int = 5) -> dict[str, torch.Tensor]:
@@ -61,15 +60,16 @@ def test_lr_schedule_warmup_constant_cosine():
         lr_factor(0, decay_style="linear", **common)
 
 
-def _settings(**changes) -> SimpleNamespace:
-    base = dict(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="cosine", adam_beta1=0.9, adam_beta2=0.95,
-                adam_eps=1e-8, weight_decay=0.0)  # fmt: skip
-    return SimpleNamespace(**{**base, **changes})
+SCHEDULE = ScheduleSpec(total_steps=10, decay_style="cosine", warmup_steps=2, min_lr=1e-4)
+
+
+def _settings(**changes) -> OptimizerSpec:
+    return OptimizerSpec(**{**dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0), **changes})
 
 
 def _stepped(settings, model) -> tuple:
     optimizer = build_optimizer([model], settings)
-    scheduler = build_lr_scheduler(optimizer, settings, 10)
+    scheduler = build_lr_scheduler(optimizer, SCHEDULE, settings.lr)
     for _ in range(3):
         model(torch.ones(1, 4)).sum().backward()
         optimizer.step()
@@ -79,19 +79,19 @@ def _stepped(settings, model) -> tuple:
 
 
 def test_a_resumed_optimizer_takes_the_commands_settings_and_keeps_equal_ones_bit_for_bit():
-    """``load_state_dict`` brings back the earlier run's lr, betas, eps and weight decay; ``apply_optimizer_args``
+    """``load_state_dict`` brings back the earlier run's lr, betas, eps and weight decay; ``apply_optimizer_spec``
     puts the command's in their place, at the schedule's position (step 3)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     saved_optimizer, saved_scheduler = _stepped(_settings(), model)
-    new = _settings(lr=2e-3, adam_beta1=0.5, adam_eps=1e-6, weight_decay=0.01)
+    new = _settings(lr=2e-3, betas=(0.5, 0.95), eps=1e-6, weight_decay=0.01)
     optimizer = build_optimizer([model], new)
-    scheduler = build_lr_scheduler(optimizer, new, 10)
+    scheduler = build_lr_scheduler(optimizer, SCHEDULE, new.lr)
     optimizer.load_state_dict(saved_optimizer.state_dict())
     scheduler.load_state_dict(saved_scheduler.state_dict())
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"][0], group["weight_decay"]) == (saved_scheduler.get_last_lr()[0], 0.9, 0.0)
-    apply_optimizer_args(optimizer, scheduler, new)
+    apply_optimizer_spec(optimizer, scheduler, new)
     expected = 2e-3 * lr_factor(3, lr=2e-3, min_lr=1e-4, warmup_steps=2, decay_style="cosine", total_steps=10)
     assert group["lr"] == scheduler.get_last_lr()[0] == expected
     assert (group["betas"], group["eps"], group["weight_decay"], group["initial_lr"]) == (
@@ -107,10 +107,10 @@ def test_a_resumed_optimizer_takes_the_commands_settings_and_keeps_equal_ones_bi
 
     # The same settings change nothing: a resume without changes repeats the uninterrupted run.
     same = build_optimizer([model], _settings())
-    same_scheduler = build_lr_scheduler(same, _settings(), 10)
+    same_scheduler = build_lr_scheduler(same, SCHEDULE, 1e-3)
     same.load_state_dict(saved_optimizer.state_dict())
     same_scheduler.load_state_dict(saved_scheduler.state_dict())
     before = {key: value for key, value in same.param_groups[0].items() if key != "params"}
-    apply_optimizer_args(same, same_scheduler, _settings())
+    apply_optimizer_spec(same, same_scheduler, _settings())
     assert {key: value for key, value in same.param_groups[0].items() if key != "params"} == before
     assert same_scheduler.get_last_lr() == saved_scheduler.get_last_lr()

@@ -19,10 +19,11 @@ from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.model import reshard
 from miles.backends.fsdp_utils.optimizer import build_optimizer
 from miles.backends.fsdp_utils.sleep import ASLEEP, AWAKE, HostBuffers, SleepController
+from miles.config import OptimizerSpec
 from miles.models import get_model_family
 from tests.support.trainer import denoiser_loss, make_pipeline, sharded_denoiser, single_process_group
 
-OPT_ARGS = SimpleNamespace(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0)
+OPT_ARGS = OptimizerSpec(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,11 @@ import torch.multiprocessing as mp
 from miles.backends.fsdp_utils.converters import build_converters
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser
 from miles.backends.fsdp_utils.model_set import build_model_set, shares_teacher_base
-from miles.methods import compute_trainer_configs
 from miles.models import get_model_family
 from miles.models.base import DENOISER
 from miles.models.precision import cast_buffers
-from miles.utils.misc import load_function
-from miles.utils.trainer_config import compute_trainer_args
 from tests.support.tiny_pipelines import write_tiny_wan
-from tests.support.trainer import free_port, make_args, make_pipeline
+from tests.support.trainer import free_port, make_args, make_pipeline, run_spec
 
 CPU = torch.device("cpu")
 # An SD3 transformer of 208.7M parameters (0.83 GB in float32): 10 joint blocks of width 768.
@@ -127,12 +124,12 @@ def test_each_rank_holds_well_under_one_full_copy_at_start_up_and_its_shards_equ
 
 
 # -- the values: bit-identical to loading the whole model in one process --------------------------------------------
-def _todays_load(args, family, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None, dict]:
+def _todays_load(spec, args, family, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None, dict]:
     """What 3ea913a's ``build_model_set`` loaded, in one process: the whole denoiser from ``family.load_denoiser``,
     frozen where unused, converted, the separate teacher in the compute dtype, then the method's built modules."""
-    converters = build_converters(args)
-    torch.manual_seed(args.seed)
-    model = family.load_denoiser(args.hf_checkpoint, dtype=torch.float32)
+    converters = build_converters(spec)
+    torch.manual_seed(spec.seed)
+    model = family.load_denoiser(spec.init, dtype=torch.float32)
     model.train().requires_grad_(True)
     for name in family.unused_parameters(model):
         model.get_parameter(name).requires_grad_(False)
@@ -141,9 +138,9 @@ def _todays_load(args, family, dtype: torch.dtype) -> tuple[torch.nn.Module, tor
     # The one deliberate change since: the trainable model's buffers in the compute dtype (miles.models.precision).
     cast_buffers(model, dtype)
     teacher = None
-    if args.teacher_load and not shares_teacher_base(args, converters):
-        teacher = family.load_denoiser(args.teacher_load, dtype=dtype).eval().requires_grad_(False)
-    built = load_function(args.custom_build_modules_path)(args, {DENOISER: model})
+    if spec.teacher and not shares_teacher_base(spec, converters):
+        teacher = family.load_denoiser(spec.teacher, dtype=dtype).eval().requires_grad_(False)
+    built = spec.hooks.build_modules(args, {DENOISER: model})
     return model, teacher, built
 
 
@@ -171,13 +168,13 @@ def _parity_rank(rank: int, port: int, cases: dict, wan: str, results) -> None:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         out = {}
         # Sharded over the 2 ranks, and unwrapped as a group of one is (the whole model on its device).
-        for (case, args), group_mesh in ((item, m) for item in cases.items() for m in (mesh, None)):
+        for (case, (spec, args)), group_mesh in ((item, m) for item in cases.items() for m in (mesh, None)):
             case = case if group_mesh is not None else f"{case}, unwrapped"
-            family = get_model_family(args.hf_checkpoint)
-            reference, teacher, built = _todays_load(args, family, torch.bfloat16)
+            family = get_model_family(spec.init)
+            reference, teacher, built = _todays_load(spec, args, family, torch.bfloat16)
             reference_rng = torch.get_rng_state()
-            torch.manual_seed(args.seed)
-            models = build_model_set(args, family, CPU, torch.bfloat16, group_mesh, build_converters(args))
+            torch.manual_seed(spec.seed)
+            models = build_model_set(spec, family, CPU, torch.bfloat16, group_mesh, build_converters(spec), args)
             out[case] = {
                 "denoiser": _differences(reference, models.denoiser),
                 "teacher": _differences(teacher, models.frozen[DENOISER]) if teacher is not None else [],
@@ -212,10 +209,10 @@ def test_the_sharded_load_equals_todays_whole_model_load_bit_for_bit(tmp_path):
             "--dmd2-gan-disc-weight", "0.01", "--dmd2-gan-real-data", str(tmp_path / "real.jsonl")]  # fmt: skip
     cases = {}
     for case, extra in {"full": [], "lora": ["--critic-lora-rank", "4"]}.items():
-        args = make_args(pipeline, tmp_path, *dmd2, *extra, train_only=False)
-        critic = compute_trainer_configs(args)[0]
+        run = run_spec(make_args(pipeline, tmp_path, *dmd2, *extra, train_only=False))
+        critic = run.groups[0]
         assert critic.role == "critic"
-        cases[case] = compute_trainer_args(args, critic)
+        cases[case] = (critic, run.args)
     wan = write_tiny_wan(tmp_path / "wan")
     results = mp.Manager().dict()
     mp.spawn(_parity_rank, args=(free_port(), cases, str(wan), results), nprocs=2)

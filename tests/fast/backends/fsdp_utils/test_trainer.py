@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.hooks import TrainHooks
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch, sft_loss_formula
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.optimizer import lr_factor
-from miles.backends.fsdp_utils.trainer import GroupTrainer, group_trainer_class
+from miles.backends.fsdp_utils.trainer import GroupTrainer
 from miles.models import get_model_family
 from miles.utils.collectives import LocalCollectives
+from miles.utils.types import collate_cond
 from miles.utils.validation import NonFiniteError
-from tests.support.trainer import digits_pairs, make_args, make_pipeline
+from tests.support.trainer import digits_pairs, make_args, make_pipeline, make_trainer
 
 PAIRS = 8  # per rollout: 2 optimizer windows of 4 pairs, micro-batches of 2
 CPU = torch.device("cpu")
@@ -42,9 +42,9 @@ def _args(pipeline, tmp_path, **overrides):
     return make_args(pipeline, tmp_path, **{**values, **overrides})
 
 
-def _trainer(args, family, cls=GroupTrainer, **kwargs) -> GroupTrainer:
+def _trainer(args, family, cls=None, **kwargs) -> GroupTrainer:
     torch.manual_seed(args.seed)
-    return cls(args, "actor", family=family, device=CPU, collectives=LocalCollectives(), **kwargs)
+    return make_trainer(args, family=family, device=CPU, collectives=LocalCollectives(), trainer_class=cls, **kwargs)
 
 
 def _reference(args, family, pipeline, rollouts: int):
@@ -142,7 +142,7 @@ def test_a_non_finite_step_is_skipped_and_enough_of_them_stop_the_run(pipeline, 
         return sft_loss_formula(ctx, pairs, prepared, new_pred=new_pred, metrics=metrics) * math.nan
 
     args = _args(pipeline, tmp_path, max_skipped_steps=3)
-    trainer = _trainer(args, family, hooks=TrainHooks(prepare=prepare_sft_batch, loss=nan_loss))
+    trainer = _trainer(args, family, prepare=prepare_sft_batch, loss=nan_loss)
     before = {name: value.clone() for name, value in trainer.models.denoiser.state_dict().items()}
     _, metrics, _ = trainer.train(0, digits_pairs(family, 0, PAIRS), {})
     assert [record["train/skipped_steps"] for record in metrics] == [1, 2]
@@ -233,11 +233,51 @@ class WholeWindowTrainer(GroupTrainer):
 
 
 def test_a_method_may_override_the_step(pipeline, family, tmp_path):
+    from miles.driver.specs import build_run_spec
+    from miles.utils.validation import ArgumentValidationError
+
     args = _args(pipeline, tmp_path, custom_trainer_path=f"{__name__}.WholeWindowTrainer")
-    trainer = _trainer(args, family, cls=group_trainer_class(args))
-    assert type(trainer) is WholeWindowTrainer
+    trainer = _trainer(args, family)
+    assert type(trainer).__qualname__ == "WholeWindowTrainer"  # the spec's class, imported once by the driver
     _, metrics, _ = trainer.train(0, digits_pairs(family, 0, PAIRS), {})
     assert [record["train/step"] for record in metrics] == [1, 2] and trainer.models.ema.num_updates == 2
     assert all(math.isfinite(record["train/grad_norm"]) for record in metrics)
-    with pytest.raises(ValueError, match="not a subclass of GroupTrainer"):
-        group_trainer_class(_args(pipeline, tmp_path, custom_trainer_path="miles.utils.misc.make_generator"))
+    with pytest.raises(ArgumentValidationError, match="^--custom-trainer-path miles.utils.misc.make_generator is "):
+        build_run_spec(_args(pipeline, tmp_path, custom_trainer_path="miles.utils.misc.make_generator"))
+
+
+class _NoFlags:
+    """Stands for the command's flags where nothing may read them: any attribute read fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"read the flags' {name!r}; the trainer reads its spec")
+
+
+def _plain_prepare(ctx, pairs):
+    x0 = torch.stack([pair.x0 for pair in pairs]).float()
+    return PreparedBatch(
+        latents=x0, timestep=torch.full((len(pairs),), 500.0), cond=collate_cond([p.pos_cond for p in pairs]),
+        target=torch.zeros_like(x0),
+    )  # fmt: skip
+
+
+def _plain_loss(ctx, pairs, prepared, *, new_pred, metrics):
+    return (new_pred - prepared.target).pow(2).flatten(1).mean(dim=1).sum()
+
+
+def test_the_trainer_its_model_set_optimizer_ema_and_checkpoint_read_the_spec_and_never_the_flags(
+    pipeline, family, tmp_path
+):
+    """``GroupTrainer(spec, family, ...)`` reads no args: with hooks that read none, a trainer whose ``args`` fail on
+    any read trains, keeps its EMA, saves and loads (``ctx.args`` stays the hooks' own)."""
+    from miles.methods.base import replace_hooks
+    from tests.support.trainer import run_spec
+
+    spec = replace_hooks(run_spec(_args(pipeline, tmp_path)).group("actor"), prepare=_plain_prepare, loss=_plain_loss)
+    torch.manual_seed(spec.seed)
+    trainer = GroupTrainer(spec, family, device=CPU, collectives=LocalCollectives(), args=_NoFlags())
+    _, metrics, _ = trainer.train(0, digits_pairs(family, 0, PAIRS), {})
+    assert [record["train/step"] for record in metrics] == [1, 2] and trainer.models.ema.num_updates == 2
+    assert all(math.isfinite(record["train/loss"]) for record in metrics)
+    trainer.save(str(tmp_path / "ckpt"), 0)
+    trainer.load(str(tmp_path / "ckpt"), 0)

@@ -55,7 +55,7 @@ def _reward_ctx(tmp_path, **values) -> TrainContext:
 def test_the_shipped_gradient_is_autograd_of_each_pairs_reward_and_the_closed_form(tmp_path):
     pairs = _digit_pairs(5)
     with torch.no_grad():  # as the trainer runs a train-output hook
-        out = reward_gradient(_reward_ctx(tmp_path, micro_batch_size=2), pairs)
+        out = reward_gradient(_reward_ctx(tmp_path, micro_batch_size=2), pairs, reward=digit_log_prob)
     assert out["sample_index"].tolist() == [p.sample_index for p in pairs]
     classifier = load_reward_classifier()
     weight, bias = classifier.weight.double(), classifier.bias.double()
@@ -77,7 +77,7 @@ def test_the_reward_hook_names_a_prompt_without_a_digit(tmp_path):
     pairs = _digit_pairs(1)
     pairs[0].prompt = "a cat"
     with pytest.raises(ValueError, match="'a cat'"):
-        reward_gradient(_reward_ctx(tmp_path, micro_batch_size=2), pairs)
+        reward_gradient(_reward_ctx(tmp_path, micro_batch_size=2), pairs, reward=digit_log_prob)
 
 
 def _actor_step(weight: float, reward_scores=None):
