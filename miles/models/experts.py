@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from miles.models.pipeline_files import DENOISER, SECOND_EXPERT
 
-__all__ = ["ExpertSwitch"]
+__all__ = ["ExpertSwitch", "load_teacher"]
 
 
 class ExpertSwitch(nn.Module):
@@ -86,3 +86,23 @@ def _rows(value, index: Tensor, batch: int):
     if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == batch:
         return value.index_select(0, index.to(value.device))
     return value
+
+
+def load_teacher(family, path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The teacher of pipeline ``path`` whole, in eval mode on the CPU (offline tools: the regression pairs): the
+    family's ``load_denoiser``, or for a two-expert pipeline (``family.expert_boundary(path)`` not None) an
+    :class:`ExpertSwitch` of ``transformer`` and ``transformer_2``, each loaded by ``from_pretrained`` of the class its
+    config names.
+
+    Raises:
+        FileNotFoundError / ValueError: as ``load_denoiser`` and ``expert_boundary``.
+    """
+    from pathlib import Path
+
+    first = family.load_denoiser(str(path), dtype=dtype)
+    boundary = family.expert_boundary(path)
+    if boundary is None:
+        return first
+    cls = family.denoiser_class(path, SECOND_EXPERT)
+    second = cls.from_pretrained(Path(path) / SECOND_EXPERT, torch_dtype=dtype).eval()
+    return ExpertSwitch(first, second, boundary).eval()

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from miles.backends.fsdp_utils.model import load_frozen_denoiser
 from miles.driver.memory_plan import GroupSpec, PlanSetting, plan_group, second_expert_config
 from miles.models import get_model_family
-from miles.models.experts import ExpertSwitch
+from miles.models.experts import ExpertSwitch, load_teacher
 from miles.models.memory import transformer_config
 from miles.models.sampling_schedule import SCHEDULE_KEYS, stock_sampling_kwargs
 from miles.models.stock_defaults import write_sample_size
@@ -104,6 +104,14 @@ def test_the_teacher_equals_the_stock_pipelines_expert_at_every_step_and_in_a_mi
     torch.testing.assert_close(
         mixed, torch.cat([output.float() for _, _, output in stock_forwards]), rtol=0, atol=1e-6
     )
+    # the offline tools' whole teacher (the regression pairs' ODE) is the same pair of experts
+    whole = load_teacher(family, wan2)
+    assert isinstance(whole, ExpertSwitch) and whole.boundary == 875.0
+    for _, inputs, output in stock_forwards[:: len(stock_forwards) - 1]:  # the first and the last step
+        cond = {"encoder_hidden_states": inputs["encoder_hidden_states"]}
+        with torch.no_grad():
+            v = family.predict_velocity(whole, inputs["hidden_states"], inputs["timestep"].float(), cond)
+        torch.testing.assert_close(v, output.float(), rtol=0, atol=1e-6)
 
 
 def test_sharded_experts_score_ranks_that_need_different_experts(wan2, stock_forwards, tmp_path):
