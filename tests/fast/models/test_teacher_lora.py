@@ -5,6 +5,8 @@ start from the fused weights (peft's merge, ``W + Σ w·(alpha/r)·B·A``, check
 ``--teacher-lora-teacher-only``, and a LoRA diffusers cannot read stops the command before Ray starts.
 """
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,6 +14,7 @@ from safetensors.torch import load_file
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser
 from miles.models import get_model_family
 from miles.models.teacher_lora import FUSED_DIR, LORA_WEIGHTS, apply_teacher_loras, parse_teacher_lora
+from miles.utils.tracking import read_metrics
 from tests.support.trainer import make_args, make_pipeline, run_spec
 
 # (rank, alpha, targets, weight): two adapters of their own shapes and scales, one at a negative weight
@@ -161,3 +164,27 @@ def test_a_lora_diffusers_cannot_read_stops_the_command_before_ray(world, tmp_pa
     assert exc.value.code == 2
     assert f"--teacher-lora {bad}: diffusers could not load it" in capsys.readouterr().err
     assert not (tmp_path / "out" / FUSED_DIR).exists()
+
+
+def test_a_dmd2_run_distills_from_the_fused_teacher_and_its_student_starts_there(world, tmp_path, ray_cluster):
+    """One rollout on 2 CPU ranks through ``train_diffusion.main`` with the student's learning rate 0: its export
+    holds the weights it started from, the fused ones; the run trained against the fused teacher."""
+    from diffusers import SD3Transformer2DModel
+
+    from tests.support.driver import run_main
+
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "a {digit}"}}\n' for digit in range(4)))
+    flags = [arg for flag in world["flags"] for arg in ("--teacher-lora", flag)]
+    run_main([
+        "--loss-type", "dmd2", "--hf-checkpoint", str(world["pipeline"]), "--teacher-load", str(world["pipeline"]),
+        *flags, "--prompt-data", str(tmp_path / "data.jsonl"), "--actor-num-gpus-per-node", "2",
+        "--rollout-batch-size", "4", "--micro-batch-size", "1", "--dmd2-critic-steps-per-rollout", "1",
+        "--num-rollout", "1", "--lr", "0", "--critic-lr", "1e-3", "--output-dir", str(tmp_path / "out"),
+        "--save-hf", str(tmp_path / "student"),
+    ])  # fmt: skip
+    exported = SD3Transformer2DModel.from_pretrained(tmp_path / "student" / "transformer").state_dict()
+    expected = _merged(world["pipeline"], world["loras"])
+    for key, value in exported.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6)
+    records = [r for r in read_metrics(tmp_path / "out") if "train/critic-loss" in r]
+    assert records and all(math.isfinite(r["train/critic-loss"]) for r in records)
