@@ -112,6 +112,10 @@ def apply_teacher_loras(args: Namespace) -> Path | None:
 
     Returns:
         The fused pipeline, or None without ``--teacher-lora``.
+
+    Raises:
+        ValueError: for a two-expert teacher (Wan 2.2 A14B: a LoRA per expert has no stock format here), or as
+            :func:`fuse_loras`.
     """
     from miles.models import get_model_family
 
@@ -119,6 +123,11 @@ def apply_teacher_loras(args: Namespace) -> Path | None:
         return None
     teacher = os.path.realpath(args.teacher_load)
     family = get_model_family(args.teacher_load, args.diffusion_model_family)
+    if family.expert_boundary(args.teacher_load) is not None:
+        raise ValueError(
+            f"--teacher-lora fuses into the teacher's {DENOISER}/ only, but --teacher-load {args.teacher_load} has two "
+            "experts (transformer_2): fuse your LoRAs into both experts' weights yourself and pass that pipeline"
+        )
     loras = [parse_teacher_lora(value) for value in args.teacher_lora]
     fused = str(fuse_loras(family, args.teacher_load, loras, Path(args.output_dir) / FUSED_DIR))
     args.teacher_load = fused

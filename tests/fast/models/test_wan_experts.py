@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.backends.fsdp_utils.model import load_frozen_denoiser
-from miles.driver.memory_plan import GroupSpec, PlanSetting, plan_group, second_expert_config
+from miles.driver.memory_plan import GroupSpec, LoraSpec, PlanSetting, plan_group, second_expert_config
 from miles.models import get_model_family
 from miles.models.experts import ExpertSwitch, load_teacher
 from miles.models.memory import transformer_config
@@ -145,6 +145,11 @@ def test_the_memory_plan_counts_both_teacher_experts(wan2):
     assert two.frozen_numel == 2 * one.frozen_numel and two.frozen > one.frozen
     # the inference phase gathers both experts whole beside the critic (ZeRO-2-like default)
     assert two.gathered_inference - one.gathered_inference == one.frozen_numel * 2
+    # a LoRA critic on a two-expert teacher holds its base and both experts (the teacher is never its base)
+    lora = plan_group(
+        GroupSpec(role="critic", config=config, teacher=config, teacher_2=second, lora=LoraSpec(2)), setting
+    )
+    assert lora.frozen_numel == 3 * one.frozen_numel
     assert second_expert_config(family, str(write_tiny_wan(wan2.parent / "one"))) is None
 
 
@@ -212,3 +217,15 @@ def test_the_stock_pipeline_samples_the_one_network_export_as_miles_does(run):
     trained = WanTransformer3DModel.from_pretrained(export / "transformer").state_dict()
     initial = WanTransformer3DModel.from_pretrained(source / "transformer").state_dict()
     assert any(not torch.equal(trained[key], initial[key]) for key in initial)
+
+
+def test_teacher_loras_are_refused_for_a_two_expert_teacher(wan2, tmp_path):
+    """``--teacher-lora`` fuses into ``transformer/`` alone: a two-expert teacher would keep an unfused expert."""
+    from argparse import Namespace
+
+    from miles.models.teacher_lora import apply_teacher_loras
+
+    args = Namespace(teacher_lora=["style"], teacher_load=str(wan2), diffusion_model_family=None, output_dir=tmp_path)
+    with pytest.raises(ValueError, match="has two experts"):
+        apply_teacher_loras(args)
+    assert not any(tmp_path.iterdir())
