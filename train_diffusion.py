@@ -433,7 +433,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Hooks (imported once), --load, pipelines, data and outputs before Ray starts, in a dry run too; then the
         # run's specs, from the hooks the checks imported.
-        run = build_run_spec(args, validate_inputs(args))
+        hooks = validate_inputs(args)
+    except ArgumentValidationError as exc:
+        _fail(str(exc), 2)
+    if args.teacher_lora and not args.dry_run:
+        from miles.models.teacher_lora import apply_teacher_loras
+
+        # Before the specs: every group and the engine then read the fused pipeline like any other (a dry run plans
+        # the same shapes from the teacher as given).
+        try:
+            logger.info("teacher LoRAs fused into %s", apply_teacher_loras(args))
+        except ValueError as exc:
+            _fail(str(exc), 2)
+    try:
+        run = build_run_spec(args, hooks)
     except ArgumentValidationError as exc:
         _fail(str(exc), 2)
     if args.dry_run:

@@ -106,6 +106,21 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Frozen teacher pipeline directory; needs a consumer (dmd2, or a custom prepare/loss/train-output hook).",
     )
     group.add_argument(
+        "--teacher-lora",
+        type=str,
+        action="append",
+        default=None,
+        metavar="PATH[:WEIGHT]",
+        help="A LoRA in diffusers' format (a save_lora_weights folder or its .safetensors) fused into the teacher at "
+        "WEIGHT (default 1), repeatable: distill your fine-tune. The fused pipeline is written to "
+        "<output-dir>/teacher_lora; the student and the critic start from it where they start from --teacher-load.",
+    )
+    group.add_argument(
+        "--teacher-lora-teacher-only",
+        action="store_true",
+        help="Fuse --teacher-lora into the teacher alone: the student and the critic start from their own pipelines.",
+    )
+    group.add_argument(
         "--diffusion-model-family",
         type=str,
         default=None,

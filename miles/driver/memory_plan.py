@@ -10,8 +10,9 @@ Exact, counted from the parameters' shapes (a run logs the first four as ``memor
   hook adds, like the DMD2 GAN head), sharded over the DP ranks (FSDP2 shards dim 0 when there is more than one);
 * **gradients**: float32, sharded like the parameters (after the reduce-scatter);
 * **optimizer**: AdamW's two float32 moments per trainable element, sharded, and a 4-byte step count per tensor;
-* **frozen**: the teacher in the compute dtype, sharded; with LoRA the group holds one base, the model its
-  adapters sit on (the teacher is that base with the adapters disabled), and it is counted here;
+* **frozen**: the teacher in the compute dtype, sharded, both experts of a two-expert teacher (Wan 2.2 A14B); with
+  LoRA the group holds one base, the model its adapters sit on (a one-network teacher is that base with the
+  adapters disabled; a two-expert teacher is held beside it), and it is counted here;
 * **EMA**: float32 shadows of the trainables' shards (``--ema-decay``; not among the logged figures);
 * **buffers**: the models' buffers (SD3's position-embedding table: 0.23B elements in SD3.5-Medium), which FSDP
   does not shard: every rank holds them whole, in the compute dtype (those a model keeps in float32, Wan's rope
@@ -133,6 +134,8 @@ class GroupSpec:
         config: the group's denoiser config (diffusers, with ``_class_name``); with LoRA, the base's.
         teacher: the config of a frozen teacher held beside a full-weight denoiser, or None. With LoRA it is ignored:
             the teacher is the base itself with the adapters disabled, so the group holds one base.
+        teacher_2: the config of the teacher's second expert (Wan 2.2 A14B's ``transformer_2``), or None. A
+            two-expert teacher is held whole beside the denoiser, LoRA or not (it is never the LoRA base).
         lora: the group's adapter, or None for full weights.
         build_extra: ``fn(denoiser) -> {name: module}`` of trainable modules built on the denoiser (the GAN head);
             called on the meta device.
@@ -143,6 +146,7 @@ class GroupSpec:
     role: str
     config: dict
     teacher: dict | None = None
+    teacher_2: dict | None = None
     lora: LoraSpec | None = None
     build_extra: Callable[[nn.Module], dict[str, nn.Module]] | None = None
     ema: bool = False
@@ -226,13 +230,13 @@ def _zero3_gathered(model: nn.Module, include: Callable[[nn.Parameter], bool]) -
 
 
 def _gathered(
-    model: nn.Module, teacher: nn.Module | None, trainable_ids: set[int], extra_numel: int, setting: PlanSetting
+    model: nn.Module, teachers: list[nn.Module], trainable_ids: set[int], extra_numel: int, setting: PlanSetting
 ) -> tuple[int, int]:
     """``(train window, inference phase)`` bytes a rank materialises beside its shards (the module docstring).
 
     Args:
         model: the group's denoiser (its trainables are ``trainable_ids``; the rest is a LoRA base).
-        teacher: a separate frozen teacher, or None.
+        teachers: the separate frozen teacher's networks (two for a two-expert teacher), or none.
         extra_numel: elements of the trainable modules built beside the denoiser (each its own FSDP unit).
     """
     c = setting.compute_dtype.itemsize
@@ -242,13 +246,14 @@ def _gathered(
     if setting.dp_size == 1:
         # Unsharded: autocast caches a compute-dtype copy of each float32 trainable until the backward.
         return (trainable * c if c != MASTER_BYTES else 0), 0
-    teacher_numel = sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0
+    teacher_numel = sum(p.numel() for teacher in teachers for p in teacher.parameters())
     if not setting.reshard_every_microbatch:
         whole = sum(p.numel() for p in model.parameters()) + extra_numel
         return whole * c + trainable * grad_bytes, (whole + teacher_numel) * c
     trainable_params, trainable_grads = _zero3_gathered(model, lambda p: id(p) in trainable_ids)
     base_params, _ = _zero3_gathered(model, lambda p: id(p) not in trainable_ids)
-    teacher_params = _zero3_gathered(teacher, lambda p: True)[0] if teacher is not None else 0
+    # each expert's root stays gathered after its no-grad forward until the phase ends: their sum, an upper bound
+    teacher_params = sum(_zero3_gathered(teacher, lambda p: True)[0] for teacher in teachers)
     units = extra_numel + trainable_params + base_params
     return units * c + (extra_numel + trainable_grads) * grad_bytes, (units + teacher_params) * c
 
@@ -275,27 +280,30 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
         trainable = list(model.parameters())
     trainable_ids = {id(param) for param in trainable}
     base = [param for param in model.parameters() if id(param) not in trainable_ids]
-    teacher = meta_denoiser(spec.teacher) if spec.teacher is not None and spec.lora is None else None
+    teachers = []
+    if spec.teacher is not None and (spec.lora is None or spec.teacher_2 is not None):
+        teachers.append(meta_denoiser(spec.teacher))
+    if spec.teacher_2 is not None:
+        teachers.append(meta_denoiser(spec.teacher_2))
     extra_modules = {}
     if spec.build_extra is not None:
         with torch.device("meta"):
             extra_modules = spec.build_extra(model)
     trainable_shapes = [tuple(p.shape) for p in trainable]
     trainable_shapes += [tuple(p.shape) for module in extra_modules.values() for p in module.parameters()]
-    frozen = base + (list(teacher.parameters()) if teacher is not None else [])
+    frozen = base + [param for teacher in teachers for param in teacher.parameters()]
     frozen_shapes = [tuple(p.shape) for p in frozen]
     c = setting.compute_dtype.itemsize
     # A denoiser's buffers are stored in the compute dtype, those it keeps in float32 in float32, trainable or frozen
     # (miles.models.precision); the modules a method builds keep their float32 ones.
     buffers = _buffer_bytes(model, setting.compute_dtype)
     buffers += sum(b.numel() for module in extra_modules.values() for b in module.buffers()) * MASTER_BYTES
-    if teacher is not None:
-        buffers += _buffer_bytes(teacher, setting.compute_dtype)
+    buffers += sum(_buffer_bytes(teacher, setting.compute_dtype) for teacher in teachers)
 
     params = shard_bytes(trainable_shapes, dp, rank, MASTER_BYTES)
     t_full = sum(math.prod(shape) for shape in trainable_shapes)
     extra_numel = t_full - sum(p.numel() for p in trainable)
-    gathered_train, gathered_inference = _gathered(model, teacher, trainable_ids, extra_numel, setting)
+    gathered_train, gathered_inference = _gathered(model, teachers, trainable_ids, extra_numel, setting)
     optimizer = ADAM_MOMENTS * params + ADAM_STEP_BYTES * len(trainable_shapes)
     frozen_bytes = shard_bytes(frozen_shapes, dp, rank, c)
     ema = params if spec.ema else 0
@@ -347,6 +355,17 @@ def format_count(count: int) -> str:
         if count >= size:
             return f"{count / size:.3g}{unit}"
     return str(count)
+
+
+def second_expert_config(family, pipeline: str) -> dict | None:
+    """``<pipeline>/transformer_2/config.json`` of a two-expert pipeline (``family.expert_boundary`` not None: Wan
+    2.2 A14B), else None."""
+    from miles.models.base import SECOND_EXPERT
+    from miles.models.pipeline_files import read_json
+
+    if family.expert_boundary(pipeline) is None:
+        return None
+    return read_json(Path(pipeline) / SECOND_EXPERT / "config.json", f"{SECOND_EXPERT} config")
 
 
 def plan_run(
@@ -405,6 +424,7 @@ def plan_run(
             role=group.role,
             config=transformer_config(group.init),
             teacher=transformer_config(group.teacher) if group.teacher else None,
+            teacher_2=second_expert_config(family, group.teacher) if group.teacher else None,
             lora=adapter,
             build_extra=build_extra,
             ema=group.ema is not None,

@@ -204,11 +204,30 @@ def validate_lora_args(args: argparse.Namespace) -> None:
     )
     if args.save_hf_lora and not (args.save_hf and args.lora_rank):
         reject("--save-hf-lora writes the student's adapter beside --save-hf: it needs --save-hf and --lora-rank")
+    validate_teacher_lora_args(args)
     if args.lora_rank and args.rollout_num_gpus:
         reject(
             "--lora-rank with --rollout-num-gpus is not supported yet (the engine replicas load full weights): "
             "drop --rollout-num-gpus to generate on the actor ranks"
         )
+
+
+def validate_teacher_lora_args(args: argparse.Namespace) -> None:
+    """``--teacher-lora PATH[:WEIGHT]``: each needs ``--teacher-load`` and an existing path with a finite weight
+    (:func:`miles.models.teacher_lora.parse_teacher_lora`); ``--teacher-lora-teacher-only`` needs a LoRA."""
+    from miles.models.teacher_lora import parse_teacher_lora
+
+    if args.teacher_lora_teacher_only and not args.teacher_lora:
+        reject("--teacher-lora-teacher-only changes where --teacher-lora goes: add --teacher-lora")
+    for value in args.teacher_lora or ():
+        if not args.teacher_load:
+            reject(f"--teacher-lora {value} is fused into the teacher: add --teacher-load")
+        try:
+            path, _ = parse_teacher_lora(value)
+        except ValueError as exc:
+            reject(str(exc))
+        if not os.path.exists(path):
+            reject(f"--teacher-lora {value}: {path} does not exist (a save_lora_weights folder or its .safetensors)")
 
 
 def group_layout(args: argparse.Namespace) -> list[GroupSpec]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from miles.models.pipeline_files import (
     DENOISER,
+    SECOND_EXPERT,
     denoiser_weight_index,
     is_component,
     read_json,
@@ -36,6 +37,7 @@ from miles.models.pipeline_files import (
 __all__ = [
     "DENOISER",
     "ModelFamily",
+    "SECOND_EXPERT",
     "denoiser_weight_index",
     "PromptEncoder",
     "TEXT_ENCODER_COMPONENTS",
@@ -98,9 +100,10 @@ class ModelFamily(Protocol):
     def load_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The pipeline's denoiser (``<path>/transformer``) in eval mode on the CPU, in ``dtype``."""
 
-    def denoiser_class(self, path: str | Path) -> type[nn.Module]:
-        """The diffusers model class of ``<path>/transformer``: the ``_class_name`` its ``config.json`` names (what
-        ``save_pretrained`` writes). Override for a denoiser class diffusers does not export.
+    def denoiser_class(self, path: str | Path, component: str = DENOISER) -> type[nn.Module]:
+        """The diffusers model class of ``<path>/<component>`` (default ``transformer``): the ``_class_name`` its
+        ``config.json`` names (what ``save_pretrained`` writes). Override for a denoiser class diffusers does not
+        export.
 
         Raises:
             FileNotFoundError: if ``<path>/transformer/config.json`` is missing.
@@ -108,17 +111,17 @@ class ModelFamily(Protocol):
         """
         import diffusers
 
-        config = read_json(Path(path) / DENOISER / "config.json", "transformer config")
+        config = read_json(Path(path) / component / "config.json", f"{component} config")
         name = config.get("_class_name")
         cls = getattr(diffusers, str(name), None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(
-                f"{path}/{DENOISER}/config.json names _class_name {name!r}, which is not a diffusers model class"
+                f"{path}/{component}/config.json names _class_name {name!r}, which is not a diffusers model class"
             )
         return cls
 
-    def denoiser_weight_files(self, path: str | Path) -> list[Path]:
-        """The safetensors files that hold the weights of ``<path>/transformer``, as ``save_pretrained`` writes
+    def denoiser_weight_files(self, path: str | Path, component: str = DENOISER) -> list[Path]:
+        """The safetensors files that hold the weights of ``<path>/<component>`` (default ``transformer``), as ``save_pretrained`` writes
         them: ``diffusion_pytorch_model.safetensors``, or the shards listed in the ``weight_map`` of
         ``diffusion_pytorch_model.safetensors.index.json`` (a sharded checkpoint), each file once, in order.
 
@@ -128,7 +131,7 @@ class ModelFamily(Protocol):
         """
         from diffusers.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
-        folder = Path(path) / DENOISER
+        folder = Path(path) / component
         index = folder / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file():
             weight_map = read_json(index, "safetensors index").get("weight_map")
@@ -147,8 +150,11 @@ class ModelFamily(Protocol):
             "safetensors; save it with save_pretrained(..., safe_serialization=True)"
         )
 
-    def build_meta_denoiser(self, path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The denoiser of ``<path>/transformer`` built from its config without its weights: every parameter on the
+    def build_meta_denoiser(
+        self, path: str | Path, dtype: torch.dtype = torch.float32, component: str = DENOISER
+    ) -> nn.Module:
+        """The denoiser of ``<path>/<component>`` (default ``transformer``; a second expert's ``transformer_2``)
+        built from its config without its weights: every parameter on the
         meta device, buffers computed at construction real (on the CPU), in eval mode. It is what
         :meth:`load_denoiser` returns before the weights are read, so loading its files into it gives
         ``load_denoiser(path, dtype)`` exactly:
@@ -168,9 +174,9 @@ class ModelFamily(Protocol):
         import accelerate
         from diffusers.models.modeling_utils import no_init_weights
 
-        cls = self.denoiser_class(path)
-        folder = Path(path) / DENOISER
-        in_files = set(denoiser_weight_index(self.denoiser_weight_files(path)))
+        cls = self.denoiser_class(path, component)
+        folder = Path(path) / component
+        in_files = set(denoiser_weight_index(self.denoiser_weight_files(path, component)))
         config = cls.load_config(folder)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -304,6 +310,23 @@ class ModelFamily(Protocol):
         if len(shape) == 4:
             size = {"num_frames": int(shape[0]), **size}
         return {**kwargs, **size}
+
+    def expert_boundary(self, path: str | Path) -> float | None:
+        """The timestep (in [0, 1000]) at which pipeline ``path`` hands the denoising from its first expert
+        (``transformer``, timesteps at or above it) to its second (``transformer_2``, below it), or None for a
+        pipeline of one denoiser. Default: None. A two-expert family (Wan 2.2 A14B) returns its stock pipeline's
+        boundary; the frozen teacher then scores each σ with its expert (:class:`miles.models.experts.ExpertSwitch`).
+
+        Raises:
+            OSError / ValueError: when a config file the answer depends on is missing or unreadable.
+        """
+        return None
+
+    def write_one_denoiser_index(self, folder: Path) -> None:
+        """Make the exported pipeline at ``folder`` one whose stock pipeline samples with its ``transformer`` alone:
+        a one-network student exported from a two-expert pipeline drops the second expert. Default: nothing (one
+        denoiser already). Called by the ``--save-hf`` export after it copied the source (whose files may be hard
+        links to the source's: replace a file, never write into it)."""
 
     def compatibility_signature(self, path: str | Path) -> dict[str, Any]:
         """The figures of pipeline ``path`` that a teacher's and a critic's pipeline must share with the student's,

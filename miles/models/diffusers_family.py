@@ -34,7 +34,14 @@ from torch import Tensor, nn
 from miles.models.base import ModelFamily, place_text_encoders
 from miles.models.capabilities import MemoryLayout, module_on
 from miles.models.memory import ActivationLayout, count_forward_flops
-from miles.models.pipeline_files import DENOISER, is_component, pipeline_class_name, read_json, read_model_index
+from miles.models.pipeline_files import (
+    DENOISER,
+    SECOND_EXPERT,
+    is_component,
+    pipeline_class_name,
+    read_json,
+    read_model_index,
+)
 from miles.models.precision import forward_device_dtype
 
 __all__ = ["DiffusersFamily", "PipelinePromptEncoder", "pixels_to_uint8", "uint8_to_pixels"]
@@ -63,7 +70,8 @@ class PipelinePromptEncoder:
     ``encode_prompt`` (:meth:`DiffusersFamily.prompt_cond`).
 
     Components ``model_index.json`` saved as ``None`` or leaves out (SD3's ``text_encoder_3``, Wan's
-    ``transformer_2``) are passed as None, which ``from_pretrained`` requires of them.
+    ``transformer_2``) are passed as None, which ``from_pretrained`` requires of them; so is a saved second expert
+    (Wan 2.2 A14B's ``transformer_2``), which ``encode_prompt`` does not use.
 
     Args:
         family: the family whose pipeline class (``pipeline_classes``) opens ``path``.
@@ -85,6 +93,10 @@ class PipelinePromptEncoder:
         absent = {
             name: None for name in components if name not in (DENOISER, "vae") and not is_component(index.get(name))
         }
+        if (
+            SECOND_EXPERT in components
+        ):  # a second expert (Wan 2.2 A14B) is not read either: encode_prompt never runs it
+            absent[SECOND_EXPERT] = None
         denoiser_cls = family.denoiser_class(path)
         with init_empty_weights(include_buffers=True):  # encode_prompt reads the transformer's config only
             meta = denoiser_cls.from_config(denoiser_cls.load_config(path / DENOISER))

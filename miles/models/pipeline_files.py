@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "DENOISER",
+    "SECOND_EXPERT",
     "denoiser_weight_index",
     "is_component",
     "pipeline_class_name",
@@ -22,6 +23,8 @@ __all__ = [
 # The denoiser's component name: its folder in a diffusers pipeline directory, its key among a trainer group's
 # trainable modules (TrainContext.models, PreparedBatch.component, checkpoints) and among the frozen teacher's.
 DENOISER = "transformer"
+# The low-noise expert of a two-expert pipeline (Wan 2.2 A14B's ``WanPipeline``): its folder and its component name.
+SECOND_EXPERT = "transformer_2"
 
 
 def read_json(path: str | Path, what: str) -> dict:

@@ -1,6 +1,21 @@
-"""The ``wan`` family: diffusers ``WanPipeline`` directories with one expert (Wan 2.1 T2V 1.3B / 14B, Wan 2.2
-TI2V-5B in text-to-video mode). A two-expert Wan 2.2 A14B pipeline (``transformer_2``) is refused: miles trains one
-denoiser.
+"""The ``wan`` family: diffusers ``WanPipeline`` directories: Wan 2.1 T2V 1.3B / 14B, Wan 2.2 TI2V-5B in
+text-to-video mode (one expert) and Wan 2.2 T2V A14B (two experts).
+
+**Two experts** (Wan 2.2 A14B). ``model_index.json`` holds ``transformer`` (high noise), ``transformer_2`` (low
+noise) and ``boundary_ratio`` (0.875 for T2V A14B); ``WanPipeline.__call__`` runs ``transformer`` where
+``t >= boundary_ratio · num_train_timesteps`` and ``transformer_2`` below. miles distills them into one network:
+
+* the frozen teacher is both experts (:meth:`WanFamily.expert_boundary`, :class:`miles.models.experts.ExpertSwitch`):
+  each scoring σ goes to the expert the stock pipeline would run at it, with the one teacher guidance scale
+  (``--dmd2-teacher-guidance-scale``; the stock call's ``guidance_scale_2`` for the low-noise expert is not taken);
+* the student and the critic are one network each, started from ``transformer`` (the high-noise expert, the folder
+  every one-network reader loads). One critic, not one per expert: the critic models the student's distribution,
+  which one network produces at every σ, and a second critic would add a whole trainable 14B network (float32
+  master weights, AdamW's two moments: about 224 GB sharded over the ranks) for a model of the same distribution;
+* the ``--save-hf`` export is a one-network ``WanPipeline``: ``transformer_2`` dropped, ``boundary_ratio`` null, so
+  the stock pipeline samples every step with the student (:meth:`WanFamily.write_one_denoiser_index`).
+
+A two-network (phased) student is not built.
 
 **Latents.** Video latents ``(C, F', H/8, W/8)`` of an ``F × H × W`` clip, ``F' = (F − 1)/4 + 1``, normalised per
 channel as the pipeline undoes it before decoding: ``z = (vae.encode(x).mode() − latents_mean) / latents_std``
@@ -22,6 +37,8 @@ exported this way).
 """
 
 import functools
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +48,7 @@ from torch import Tensor, nn
 from miles.models.capabilities import PixelCodec, TokenFeatures, TrueCFG
 from miles.models.diffusers_family import DiffusersFamily, PipelinePromptEncoder
 from miles.models.memory import ActivationLayout, cross_attention_layout
-from miles.models.pipeline_files import is_component, read_json, read_model_index
+from miles.models.pipeline_files import SECOND_EXPERT, is_component, read_json, read_model_index
 from miles.models.registry import register_family
 from miles.models.stock_defaults import read_sample_size
 from miles.models.stock_schedulers import terminal_scheduler_config
@@ -50,8 +67,8 @@ class WanFamily(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
 
     name = "wan"
     pipeline_classes = ("WanPipeline",)
-    # WanPipeline.__call__'s guidance_scale (one expert; Wan 2.2's second expert has its own guidance_scale_2, which
-    # miles does not train)
+    # WanPipeline.__call__'s guidance_scale (its guidance_scale_2 for Wan 2.2's second expert defaults to it; miles
+    # guides both experts with one scale)
     stock_guidance = 5.0
     block_attributes = ("blocks",)
     compatible_keys = {
@@ -82,16 +99,7 @@ class WanFamily(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
     def image_shape(self, path: str | Path) -> tuple[int, int, int, int]:
         """``(F, H, W, 3)``: ``_miles_sample_size`` ``[frames, height, width]`` of ``model_index.json``
         (:mod:`miles.models.stock_defaults`), else the pipeline's default 81 × 480 × 832, rounded as the pipeline
-        rounds them (F to ``4k + 1``, H and W down to multiples of ``8 · patch``).
-
-        Raises:
-            ValueError: for a two-expert pipeline (``transformer_2``: Wan 2.2 A14B).
-        """
-        if is_component(read_model_index(path).get("transformer_2")):
-            raise ValueError(
-                f"{path} is a two-expert Wan 2.2 pipeline (transformer_2); the wan family distills one expert "
-                "(Wan 2.1 T2V, Wan 2.2 TI2V-5B)"
-            )
+        rounds them (F to ``4k + 1``, H and W down to multiples of ``8 · patch``)."""
         temporal, spatial = self._factors(path)
         _, patch_h, patch_w = self.transformer_config(path)["patch_size"]
         frames, height, width = read_sample_size(path, DEFAULT_SAMPLE_SIZE)
@@ -103,7 +111,7 @@ class WanFamily(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
         return (frames, height, width, 3)
 
     def latent_shape(self, path: str | Path) -> tuple[int, int, int, int]:
-        """``(in_channels, (F − 1)/4 + 1, H/8, W/8)``. Raises as :meth:`image_shape`."""
+        """``(in_channels, (F − 1)/4 + 1, H/8, W/8)``."""
         frames, height, width, _ = self.image_shape(path)
         temporal, spatial = self._factors(path)
         channels = int(self.transformer_config(path)["in_channels"])
@@ -114,6 +122,42 @@ class WanFamily(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
         ``shift``."""
         config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
         return float(config.get("flow_shift", config.get("shift", 1.0)))
+
+    def expert_boundary(self, path: str | Path) -> float | None:
+        """``boundary_ratio · num_train_timesteps`` of a two-expert pipeline (``model_index.json`` names a
+        ``transformer_2`` and a ``boundary_ratio``; Wan 2.2 T2V A14B: 0.875 · 1000 = 875), the timestep from which down
+        ``WanPipeline.__call__`` runs ``transformer_2``; None for one expert.
+
+        Raises:
+            ValueError: for a ``transformer_2`` without a ``boundary_ratio`` (the stock pipeline would never run it)
+                or a ``boundary_ratio`` outside (0, 1).
+        """
+        index = read_model_index(path)
+        if not is_component(index.get(SECOND_EXPERT)):
+            return None
+        ratio = index.get("boundary_ratio")
+        if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) < 1.0:
+            raise ValueError(
+                f"{path}/model_index.json has a {SECOND_EXPERT} but boundary_ratio {ratio!r}; a two-expert WanPipeline "
+                "needs a boundary_ratio in (0, 1) (Wan 2.2 T2V A14B: 0.875)"
+            )
+        config = read_json(Path(path) / "scheduler" / "scheduler_config.json", "scheduler config")
+        return float(ratio) * float(config.get("num_train_timesteps", 1000))
+
+    def write_one_denoiser_index(self, folder: Path) -> None:
+        """A two-expert export becomes a one-network ``WanPipeline``: ``transformer_2/`` removed, its
+        ``model_index.json`` entry ``[null, null]`` (how ``save_pretrained`` writes an absent optional component) and
+        ``boundary_ratio`` null, so ``WanPipeline.__call__`` runs ``transformer`` at every step. No-op for one
+        expert."""
+        index_path = Path(folder) / "model_index.json"
+        index = read_model_index(folder)
+        if not is_component(index.get(SECOND_EXPERT)):
+            return
+        shutil.rmtree(Path(folder) / SECOND_EXPERT, ignore_errors=True)
+        index[SECOND_EXPERT] = [None, None]
+        index["boundary_ratio"] = None
+        index_path.unlink()  # a hard link to the source's file: replace it, never write through it
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     def stock_scheduler_config(self, schedule: dict[str, Any]) -> dict[str, Any] | None:
         """A static scheduler whose ``set_timesteps(S)`` builds the student's grid (``shift`` m, ``shift_terminal``),

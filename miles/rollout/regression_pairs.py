@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from miles.models.experts import load_teacher
 from miles.rollout.offline_files import (
     OfflineDataError,
     command_parser,
@@ -145,7 +146,7 @@ def write_regression_pairs(
     chosen = [records[j % len(records)] for j in range(num_pairs)]
     prompts = [str(record[input_key]) for record in chosen]
     encoder = family.load_text_encoder(teacher, device=device)
-    denoiser = family.load_denoiser(str(teacher)).to(device).eval()
+    denoiser = load_teacher(family, teacher).to(device).eval()  # both experts of a two-expert teacher
     negative = encode_one_prompt(family, encoder, family.stock_negative_prompt) if scale != 1.0 else None
     schedule = FlowNoiseSchedule(num_steps, shift)
     indices = list(range(num_pairs))

@@ -30,3 +30,27 @@ def rank_waits_for_rank_0(rank: int, port: int, watchdog_s: float, hold_s: float
     gathered = collectives.gather_objects({"rank": rank})
     assert gathered == ([{"rank": 0}, {"rank": 1}] if rank == 0 else None)
     dist.destroy_process_group()
+
+
+def rank_scores_with_sharded_experts(rank: int, port: int, pipeline: str, cases: str) -> None:
+    """Rank ``rank`` of 2: the two-expert teacher of ``pipeline`` loaded frozen and sharded per block over a gloo
+    mesh (ZeRO-3: every block all-gathers in its forward), then one forward of this rank's case from ``cases`` (a
+    ``torch.save`` of ``[{"latents", "timestep", "cond", "expected"}, ...]``, one per rank) whose velocity must equal
+    ``expected`` (the unsharded teacher's). The ranks' batches need different experts; a rank that skipped an expert
+    would leave the other waiting in that expert's all-gather until the 60 s timeout raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from miles.backends.fsdp_utils.model import load_frozen_denoiser, reshard
+    from miles.models import get_model_family
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2,))
+    family = get_model_family(pipeline)
+    teacher = load_frozen_denoiser(family, pipeline, mesh, torch.device("cpu"), torch.float32)
+    case = torch.load(cases)[rank]
+    with torch.no_grad():
+        velocity = family.predict_velocity(teacher, case["latents"], case["timestep"], case["cond"])
+    reshard(teacher)
+    torch.testing.assert_close(velocity, case["expected"], rtol=0, atol=1e-5)
+    dist.destroy_process_group()

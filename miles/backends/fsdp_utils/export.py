@@ -1,7 +1,8 @@
 """Write a trained denoiser as a diffusers pipeline directory, atomically (the trainer's ``--save-hf`` export).
 
 The directory is a copy of the source pipeline (``--hf-checkpoint``) whose ``transformer/`` holds the trained
-weights and whose scheduler records the student's sampling schedule; it appears at its path in one rename, so a
+weights (the only denoiser: a two-expert source's second expert is dropped) and whose scheduler records the
+student's sampling schedule; it appears at its path in one rename, so a
 crash leaves either the old directory or the new one, never half of one.
 """
 
@@ -52,7 +53,8 @@ def write_pipeline(
         out: the export directory; checked by :func:`miles.utils.paths.check_export_target` against ``run_paths``
             (``(flag, path)`` of every directory the run reads or writes) before the copy and again right before
             the rename (it may have appeared during the training).
-        family: the model family (``load_denoiser``, ``stock_scheduler``, ``stock_scheduler_config``).
+        family: the model family (``load_denoiser``, ``stock_scheduler``, ``stock_scheduler_config``,
+            ``write_one_denoiser_index``).
         state_dict: the denoiser's full float32 state dict; with ``lora``, that of the LoRA model (only its adapter
             entries are read: the base is ``src``'s own float32 weights, which training left frozen).
         overwrite: ``--overwrite-save-hf``.
@@ -88,6 +90,8 @@ def write_pipeline(
             merge_lora(model)
         shutil.rmtree(tmp / DENOISER)
         model.save_pretrained(tmp / DENOISER)
+        # one trained network: a two-expert source's second expert goes (WanFamily.write_one_denoiser_index)
+        family.write_one_denoiser_index(tmp)
         if schedule is not None:
             write_sampling_schedule(
                 tmp,

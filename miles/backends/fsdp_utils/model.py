@@ -40,7 +40,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.backends.fsdp_utils.converters import ModelConverter
 from miles.backends.fsdp_utils.weights import checkpoint_names, load_weights
-from miles.models.base import DENOISER
+from miles.models.base import DENOISER, SECOND_EXPERT
+from miles.models.experts import ExpertSwitch
 from miles.models.precision import (
     TRAIN_DTYPES,
     cast_buffers,
@@ -211,7 +212,7 @@ def _load(
 ) -> nn.Module:
     # Parameters on the meta device until they are sharded: no process holds a whole model it does not keep (loading
     # first put a full float32 copy in every process's host memory and the whole model on every GPU).
-    model = family.build_meta_denoiser(path, dtype=load_dtype)
+    model = family.build_meta_denoiser(path, dtype=load_dtype, component=component)
     model.train(trainable)
     model.requires_grad_(trainable)
     if trainable:
@@ -228,7 +229,7 @@ def _load(
         shard_model(model, blocks, mesh, compute_dtype, reshard_after_forward)
     # Each rank's shards (or, unwrapped, the whole model) on the device, read from the files tensor by tensor.
     ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-    load_weights(model, family.denoiser_weight_files(path), device, names, ignore_unexpected=ignore)
+    load_weights(model, family.denoiser_weight_files(path, component), device, names, ignore_unexpected=ignore)
     # miles.models.precision, once the weights are in: buffers in the compute dtype (a frozen model is loaded in it),
     # the modules the model keeps in float32 out of autocast.
     cast_buffers(model, compute_dtype or load_dtype)
@@ -283,17 +284,30 @@ def load_frozen_denoiser(
     updates it; modules the class keeps in float32 stay float32, as ``from_pretrained`` keeps them), built and
     sharded before it is loaded like the trainable one, eval mode, no grads.
 
+    A two-expert pipeline (``family.expert_boundary(path)`` not None: Wan 2.2 A14B) gives both experts, each loaded
+    and sharded so, behind one :class:`~miles.models.experts.ExpertSwitch` that runs each sample's expert as the stock
+    pipeline chooses it.
+
     Callers run it under ``torch.no_grad`` and :func:`reshard` it afterwards.
     """
-    model = _load(
-        family,
-        path,
-        mesh,
-        device,
-        load_dtype=compute_dtype,
-        compute_dtype=None,
-        trainable=False,
-        reshard_after_forward=reshard_after_forward,
-    )
-    logger.debug("loaded frozen denoiser from %s in %s", path, compute_dtype)
+
+    def load(component: str) -> nn.Module:
+        return _load(
+            family,
+            path,
+            mesh,
+            device,
+            load_dtype=compute_dtype,
+            compute_dtype=None,
+            trainable=False,
+            component=component,
+            reshard_after_forward=reshard_after_forward,
+        )
+
+    boundary = family.expert_boundary(path)
+    if boundary is None:
+        model = load(DENOISER)
+    else:
+        model = ExpertSwitch(load(DENOISER), load(SECOND_EXPERT), boundary)
+    logger.debug("loaded frozen denoiser from %s in %s (expert boundary %s)", path, compute_dtype, boundary)
     return model

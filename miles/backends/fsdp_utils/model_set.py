@@ -8,8 +8,9 @@ module is the same on every rank and every run):
    group's converters, sharded over the mesh, and only then read from its files, each rank its own shards
    (:mod:`miles.backends.fsdp_utils.model`); with ``--lora-rank`` a frozen base in the compute dtype and float32
    adapters;
-2. the frozen teacher (``GroupSpec.teacher``), if any, in the compute dtype; when the group's denoiser is a LoRA on
-   the teacher's own weights (the DMD2 critic with ``--critic-lora-rank``), no second copy: the teacher is the
+2. the frozen teacher (``GroupSpec.teacher``), if any, in the compute dtype (both experts of a two-expert pipeline,
+   :class:`miles.models.experts.ExpertSwitch`); when the group's denoiser is a LoRA on the teacher's own weights (the
+   DMD2 critic with ``--critic-lora-rank``) and the teacher is one network, no second copy: the teacher is the
    denoiser with its adapters disabled (:class:`miles.models.lora.AdaptersDisabled`), one base per group;
 3. the modules a method builds on the denoiser (its ``build_modules`` hook: the DMD2 GAN's discriminator head),
    converted and sharded like the denoiser;
@@ -209,7 +210,9 @@ def build_model_set(
         family, spec.init, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
     )
     frozen = {}
-    if spec.teacher and shares_teacher_base(spec, converters):
+    # A two-expert teacher (Wan 2.2 A14B) is never the LoRA base: the base is one network, the teacher two.
+    two_experts = bool(spec.teacher) and family.expert_boundary(spec.teacher) is not None
+    if spec.teacher and not two_experts and shares_teacher_base(spec, converters):
         frozen[DENOISER] = AdaptersDisabled(denoiser)
     elif spec.teacher:
         frozen[DENOISER] = load_frozen_denoiser(

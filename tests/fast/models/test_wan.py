@@ -41,16 +41,13 @@ def wan(tmp_path_factory):
     return _pipeline(tmp_path_factory.mktemp("wan") / "wan")
 
 
-def test_the_family_reads_the_pipeline_and_refuses_two_experts(wan, tmp_path):
+def test_the_family_reads_the_pipeline(wan):
     family = get_model_family(wan)
     assert isinstance(family, WanFamily)
     assert family.latent_shape(wan) == LATENT and family.image_shape(wan) == (*SIZE, 3)
     assert family.flow_shift(wan) == 3.0 and family.max_guidance_scale(wan) is None
     assert family.compatibility_signature(wan)["patch size (patch_size)"] == [1, 2, 2]
-    index = json.loads((wan / "model_index.json").read_text())
-    (tmp_path / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers", "X"]}))
-    with pytest.raises(ValueError, match="two-expert Wan 2.2 pipeline"):
-        family.latent_shape(tmp_path)
+    assert family.expert_boundary(wan) is None  # one expert (two: tests/fast/models/test_wan_experts.py)
 
 
 def test_prompts_encode_as_the_stock_pipeline_does(wan):

@@ -1,4 +1,6 @@
-"""A tiny random ``WanPipeline`` in Wan 2.1 T2V's layout (one transformer, no ``transformer_2``), nothing downloaded.
+"""A tiny random ``WanPipeline`` in Wan 2.1 T2V's layout (one transformer, no ``transformer_2``), or in Wan 2.2 T2V
+A14B's (two experts: ``transformer`` for high noise, ``transformer_2`` for low noise, switched at ``boundary_ratio``),
+nothing downloaded.
 
 Components and the real checkpoints' counterparts (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` / ``-14B-Diffusers``):
 
@@ -11,6 +13,8 @@ Components and the real checkpoints' counterparts (``Wan-AI/Wan2.1-T2V-1.3B-Diff
   ``latents_mean`` / ``latents_std`` drawn from the seed.
 * ``text_encoder``: ``UMT5EncoderModel`` (2 layers, ``d_model`` 16) with a trained Unigram ``T5TokenizerFast``.
 * ``scheduler``: the real checkpoints' ``UniPCMultistepScheduler`` in flow mode (``SCHEDULER_CONFIG``).
+* two experts: ``transformer_2`` of the same config with its own random weights (the seed + 1), and the pipeline's
+  ``boundary_ratio`` (Wan 2.2 T2V A14B's 0.875 by default: ``model_index.json`` of ``Wan-AI/Wan2.2-T2V-A14B-Diffusers``).
 
 Shapes: video ``(3, 5, 32, 32)`` (C, F, H, W) → latents ``(4, 2, 4, 4)`` → 2 × 2 × 2 = 8 tokens.
 """
@@ -20,7 +24,15 @@ from pathlib import Path
 from tests.support.tiny_pipelines.common import seeded, video_vae_kwargs, write_pipeline
 from tests.support.tiny_pipelines.vocab import t5_tokenizer
 
-__all__ = ["LATENT_CHANNELS", "NUM_FRAMES", "PIXEL_SIZE", "SCHEDULER_CONFIG", "TEXT_HIDDEN", "write_tiny_wan"]
+__all__ = [
+    "A14B_BOUNDARY_RATIO",
+    "LATENT_CHANNELS",
+    "NUM_FRAMES",
+    "PIXEL_SIZE",
+    "SCHEDULER_CONFIG",
+    "TEXT_HIDDEN",
+    "write_tiny_wan",
+]
 
 LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
@@ -34,19 +46,43 @@ SCHEDULER_CONFIG = {
     "use_flow_sigmas": True,
     "flow_shift": 3.0,
 }
+# Wan 2.2 T2V A14B's boundary_ratio (its I2V A14B: 0.9)
+A14B_BOUNDARY_RATIO = 0.875
 
 
-def write_tiny_wan(folder: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random ``WanPipeline`` (text-to-video, one expert) directory to ``folder``.
+def _transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_HIDDEN,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def write_tiny_wan(folder: str | Path, seed: int = 0, boundary_ratio: float | None = None) -> Path:
+    """Write a tiny random ``WanPipeline`` (text-to-video) directory to ``folder``: one expert, or two with
+    ``boundary_ratio``.
 
     Args:
         folder: the pipeline directory (created if needed).
         seed: the weights and the VAE's latent statistics are a function of it.
+        boundary_ratio: None for one expert (Wan 2.1 T2V); a ratio in (0, 1) adds ``transformer_2`` and sets the
+            pipeline's ``boundary_ratio`` (Wan 2.2 T2V A14B: :data:`A14B_BOUNDARY_RATIO`).
 
     Returns:
         ``folder`` as a ``Path``; ``WanPipeline.from_pretrained(folder)`` opens it offline.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = t5_tokenizer(model_max_length=512)
@@ -66,23 +102,14 @@ def write_tiny_wan(folder: str | Path, seed: int = 0) -> Path:
     )
     with seeded(seed):
         pipe = WanPipeline(
-            transformer=WanTransformer3DModel(
-                patch_size=(1, 2, 2),
-                num_attention_heads=2,
-                attention_head_dim=12,
-                in_channels=LATENT_CHANNELS,
-                out_channels=LATENT_CHANNELS,
-                text_dim=TEXT_HIDDEN,
-                freq_dim=32,
-                ffn_dim=32,
-                num_layers=2,
-                cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads",
-                rope_max_seq_len=32,
-            ),
+            transformer=_transformer(),
             vae=AutoencoderKLWan(**video_vae_kwargs(LATENT_CHANNELS, seed)),
             text_encoder=UMT5EncoderModel(umt5),
             tokenizer=tokenizer,
             scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG),
         )
+    if boundary_ratio is not None:
+        with seeded(seed + 1):
+            second = _transformer()
+        pipe = WanPipeline(**{**pipe.components, "transformer_2": second}, boundary_ratio=boundary_ratio)
     return write_pipeline(pipe, folder)

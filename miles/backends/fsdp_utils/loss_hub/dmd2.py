@@ -236,7 +236,8 @@ def predict_teacher_and_critic_x0(ctx: TrainContext, train_pairs: list[TrainPair
     also on error.
 
     Args:
-        ctx: reads ``teacher_models[DENOISER]`` (frozen teacher), ``models[DENOISER]`` (the critic), ``family``
+        ctx: reads ``teacher_models[DENOISER]`` (frozen teacher; both experts of a two-expert one behind one module,
+            :class:`~miles.models.experts.ExpertSwitch`), ``models[DENOISER]`` (the critic), ``family``
             (its guidance form: true CFG or embedded guidance, :mod:`miles.models.capabilities`), ``args.seed``,
             ``args.fsdp_flow_shift``, ``args.micro_batch_size``, the DMD2 settings' teacher guidance scale and
             norm rescale, scoring range and scoring σ rule, ``rollout_id`` and ``dp_rank``.
