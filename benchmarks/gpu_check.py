@@ -929,7 +929,7 @@ def sleep_probe(result_path: Path, argv: list[str]) -> int:
 
     from miles.backends.fsdp_utils.trainer import GroupTrainer
     from miles.driver.arguments import parse_args
-    from miles.models import get_model_family
+    from miles.driver.specs import build_run_spec
     from miles.rollout.conditioning import load_cond_file
     from miles.rollout.data_source import load_latent_file
     from miles.utils.collectives import LocalCollectives
@@ -968,9 +968,12 @@ def sleep_probe(result_path: Path, argv: list[str]) -> int:
         )
         for index, record in enumerate(records)
     ]
-    family = get_model_family(args.hf_checkpoint)
+    run = build_run_spec(args)
+    spec = run.group("actor")
     start = time.perf_counter()
-    trainer = GroupTrainer(args, "actor", family=family, device=device, collectives=LocalCollectives())
+    trainer = GroupTrainer(
+        spec, run.engine.make_family(spec.init), device=device, collectives=LocalCollectives(), args=args
+    )
     data["load_seconds"] = time.perf_counter() - start
     losses = []
     _, metrics, _ = trainer.train(0, pairs, {})
