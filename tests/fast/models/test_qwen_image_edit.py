@@ -139,3 +139,118 @@ def test_a_record_without_a_reference_is_one_line_naming_the_flag(pipeline):
         torch.testing.assert_close(cond[key], expected[key], rtol=0, atol=0)
     assert json.loads((pipeline / "model_index.json").read_text())["processor"] == [None, None]
     assert np.asarray(image).dtype == np.uint8
+
+
+# ---- a prompt cache with the references, DMD2 on 2 ranks, the export in the stock edit pipeline ----
+
+
+def _write_edit_records(root) -> list[torch.Tensor]:
+    """Two records whose references are png files beside the JSONL (paths relative to it)."""
+    from PIL import Image
+
+    references = _references(2)
+    lines = []
+    for index, (prompt, reference) in enumerate(zip(PROMPTS, references)):
+        Image.fromarray(reference.numpy()).save(root / f"ref{index}.png")
+        lines.append(json.dumps({"prompt": prompt, "condition_image": f"ref{index}.png"}) + "\n")
+    (root / "edits.jsonl").write_text("".join(lines))
+    return references
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ray_cluster):
+    from miles.rollout import prompt_cache
+    from miles.utils.tracking import read_metrics
+    from tests.support.driver import run_main
+
+    root = tmp_path_factory.mktemp("qwen_image_edit_dmd2")
+    pipeline = write_tiny_qwen_image_edit(root / "pipeline")
+    write_sample_size(pipeline, (SIZE, SIZE))
+    references = _write_edit_records(root)
+    argv = [pipeline, root / "edits.jsonl", root / "cache", "--negative-prompt", " "]
+    assert prompt_cache.main([str(each) for each in argv]) == 0
+    run_main([
+        "--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
+        "--prompt-data", str(root / "cache" / "prompts.jsonl"),
+        "--negative-cond", str(root / "cache" / "negative.safetensors"),
+        "--actor-num-gpus-per-node", "2", "--num-cpus-per-rank", "1", "--rollout-batch-size", "2",
+        "--micro-batch-size", "1", "--dmd2-critic-steps-per-rollout", "1", "--dmd2-teacher-guidance-scale", "2",
+        "--num-rollout", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--output-dir", str(root / "run"),
+        "--save-hf", str(root / "student"),
+    ])  # fmt: skip
+    return {
+        "root": root,
+        "pipeline": pipeline,
+        "references": references,
+        "records": read_metrics(root / "run"),
+        "export": root / "student",
+    }
+
+
+def test_the_prompt_cache_holds_each_prompt_with_its_reference(trained):
+    family = get_model_family(trained["pipeline"])
+    from miles.rollout.conditioning import load_cond_file
+
+    records = [json.loads(line) for line in (trained["root"] / "cache" / "prompts.jsonl").read_text().splitlines()]
+    encoder = family.load_text_encoder(trained["pipeline"])
+    for record, reference, prompt in zip(records, trained["references"], PROMPTS):
+        cached = load_cond_file(trained["root"] / "cache" / record["cond"])
+        expected = family.encode_conditioned(encoder, [prompt], [reference])
+        assert set(cached) == set(expected)
+        for key in cached:
+            torch.testing.assert_close(cached[key], expected[key][0], rtol=0, atol=0)
+    negative = load_cond_file(trained["root"] / "cache" / "negative.safetensors")
+    assert CONDITION_KEY not in negative  # the unconditional branch takes each sample's reference
+
+
+def test_dmd2_trains_the_edit_student_on_two_ranks(trained):
+    import math
+
+    actor = [r for r in trained["records"] if "train/loss" in r]
+    critic = [r for r in trained["records"] if "train/critic-loss" in r]
+    assert [r["rollout_id"] for r in actor] == [0, 1] and [r["rollout_id"] for r in critic] == [0, 1]
+    assert all(r["train/dmd2_grad_abs_mean"] > 0 for r in actor)
+    # the trainer's forward of the student (with the cached reference) gives the engine's x̂0_i
+    assert all(r["train/x0_max_abs_diff"] < 1e-4 for r in actor)
+    assert all(math.isfinite(v) for r in actor + critic for k, v in r.items() if k.startswith("train/"))
+
+
+def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained):
+    from diffusers import QwenImageEditPipeline
+    from PIL import Image
+
+    from miles.models.sampling_schedule import stock_sampling_kwargs
+    from miles.utils.sampling import FlowNoiseSchedule, denoise
+
+    export = trained["export"]
+    assert json.loads((export / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"
+    family = get_model_family(export)
+    assert isinstance(family, QwenImageEditFamily)
+    cond = family.encode_conditioned(family.load_text_encoder(export), PROMPTS, trained["references"])
+    pipe = QwenImageEditPipeline.from_pretrained(export, processor=None)
+    pipe.set_progress_bar_config(disable=True)
+    call = stock_sampling_kwargs(export)
+    assert call == {"num_inference_steps": 4, "true_cfg_scale": 1.0, "height": SIZE, "width": SIZE}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)  # FlowMatchLCMScheduler's re-noise comes from the global RNG
+        tokens = pipe(
+            image=[Image.fromarray(reference.numpy()) for reference in trained["references"]],
+            prompt_embeds=cond["encoder_hidden_states"][:, : int(cond["encoder_hidden_states_mask"].sum(1).max())],
+            prompt_embeds_mask=cond["encoder_hidden_states_mask"][
+                :, : int(cond["encoder_hidden_states_mask"].sum(1).max())
+            ],
+            generator=torch.Generator().manual_seed(7),
+            output_type="latent",
+            **call,
+        ).images
+    stock = unpack_latents(tokens, 4, 4)
+
+    noise = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(7))
+    renoise = torch.Generator().manual_seed(11)
+    draws = [unpack_latents(torch.randn(2, 4, 16, generator=renoise), 4, 4) for _ in range(4)]
+    schedule = FlowNoiseSchedule(4, family.flow_shift(export))
+    ours = denoise(
+        family, family.load_denoiser(export), noise, cond, schedule, fresh_noise=lambda k: draws[k], record=False
+    ).final
+    assert torch.isfinite(stock).all()
+    torch.testing.assert_close(stock, ours, rtol=0, atol=1e-5)
