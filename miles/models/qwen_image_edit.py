@@ -213,6 +213,13 @@ class QwenImageEditFamily(QwenImageFamily, ImageConditioned):
             neg_cond = {**neg_cond, CONDITION_KEY: cond[CONDITION_KEY]}
         return super()._guide(predict, latents, timestep, cond, neg_cond, guidance_scale, norm_rescale)
 
+    def tokens_per_sample(self, path) -> tuple[int, int]:
+        """``(image tokens, text tokens)``: the target's tokens plus a megapixel square reference's
+        (``(1024/16)²`` = 4096; the memory plan's figure for references of other aspect ratios is within a few per
+        cent), and :attr:`max_sequence_length` text tokens."""
+        image, text = super().tokens_per_sample(path)
+        return image + (1024 // 16) ** 2, text
+
     def meta_cond(self, config: dict, text_tokens: int) -> dict[str, Tensor]:
         """Qwen-Image's meta text cond and a meta reference of the stock megapixel square's latents."""
         cond = super().meta_cond(config, text_tokens)

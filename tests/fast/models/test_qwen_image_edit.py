@@ -54,6 +54,14 @@ def test_the_family_reads_the_edit_pipeline_and_declares_its_reference(pipeline)
     assert reference_size(36, 24) == (1248, 832) and reference_size(32, 32) == (1024, 1024)
 
 
+def test_the_memory_plan_counts_the_reference_tokens(pipeline):
+    family = get_model_family(pipeline)
+    # 2 × 2 target tokens and a megapixel square reference's 64 × 64, 2048 text rows
+    assert family.tokens_per_sample(pipeline) == (4 + 4096, 2048)
+    flops, parameters = family.flops_per_sample(pipeline)
+    assert flops > 0 and parameters == sum(p.numel() for p in family.load_denoiser(pipeline).parameters())
+
+
 def test_reference_latents_are_the_stock_pipelines_image_latents(pipeline, stock):
     from PIL import Image
 
