@@ -1,5 +1,11 @@
-"""The ``qwen_image_edit`` family: diffusers ``QwenImageEditPipeline`` directories (Qwen/Qwen-Image-Edit), an
-image-conditioned family: each record carries a reference image that the student edits.
+"""The ``qwen_image_edit`` family: diffusers ``QwenImageEditPipeline`` directories (Qwen/Qwen-Image-Edit) and
+``QwenImageEditPlusPipeline`` ones (Qwen-Image-Edit-2509 / 2511) with one reference image, an image-conditioned
+family: each record carries a reference image that the student edits.
+
+Edit-Plus with one reference calls the transformer as Edit does (the same reference latents and ``img_shapes``; a
+2511 transformer's ``zero_cond_t`` acts inside the transformer on the same inputs); its prompt encoding sees the
+reference at about 384² pixels (``CONDITION_IMAGE_SIZE``) under its own template. Several references per record are
+not built.
 
 What the stock pipeline does and where (diffusers 0.42.1, ``pipelines/qwenimage/pipeline_qwenimage_edit.py``,
 ``__call__`` and ``prepare_latents``; the study is docs/families.md):
@@ -50,15 +56,17 @@ logger = logging.getLogger(__name__)
 CONDITION_KEY = "image_latents"
 # QwenImageEditPipeline.__call__: the reference is resized to about this many pixels (calculate_dimensions(1024 * 1024))
 REFERENCE_AREA = 1024 * 1024
+# QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: the vision encoder's copy of the reference is about 384² pixels
+PLUS_VISION_AREA = 384 * 384
 
 
-def reference_size(width: int, height: int) -> tuple[int, int]:
-    """``(width, height)`` the stock pipeline resizes a ``width × height`` reference image to: about
-    :data:`REFERENCE_AREA` pixels, the aspect ratio kept, each side rounded to a multiple of 32 (diffusers'
+def reference_size(width: int, height: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
+    """``(width, height)`` the stock pipeline resizes a ``width × height`` reference image to: about ``area`` pixels
+    (:data:`REFERENCE_AREA` for the VAE), the aspect ratio kept, each side rounded to a multiple of 32 (diffusers'
     ``calculate_dimensions``)."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    new_width, new_height, _ = calculate_dimensions(REFERENCE_AREA, width / height)
+    new_width, new_height, _ = calculate_dimensions(area, width / height)
     return int(new_width), int(new_height)
 
 
@@ -72,7 +80,7 @@ class QwenImageEditFamily(QwenImageFamily, ImageConditioned):
     """
 
     name = "qwen_image_edit"
-    pipeline_classes = ("QwenImageEditPipeline",)
+    pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     # the vision tokens of a megapixel reference (about 1,340 with Qwen2.5-VL's 28-pixel merged patches) join the
     # prompt's in the states, so the rows are longer than Qwen-Image's 512
     max_sequence_length = 2048
@@ -154,10 +162,13 @@ class QwenImageEditFamily(QwenImageFamily, ImageConditioned):
             else:
                 from PIL import Image
 
+                # Edit's vision copy is the VAE's megapixel resize; Edit-Plus's its own 384² one (CONDITION_IMAGE_SIZE)
+                plus = type(encoder.pipe).__name__ == "QwenImageEditPlusPipeline"
+                area = PLUS_VISION_AREA if plus else REFERENCE_AREA
                 pil = []
                 for image in images:
                     array = np.asarray(torch.as_tensor(image).numpy(), dtype=np.uint8)
-                    size = reference_size(array.shape[1], array.shape[0])
+                    size = reference_size(array.shape[1], array.shape[0], area)
                     pil.append(Image.fromarray(array).resize(size, Image.Resampling.LANCZOS))
                 states, mask = encoder.pipe.encode_prompt(prompt=list(prompts), image=pil, device=encoder.device)
                 cond = self.padded_cond(states, mask)

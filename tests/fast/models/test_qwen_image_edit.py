@@ -130,6 +130,62 @@ def test_the_unconditional_branch_sees_the_samples_reference(pipeline):
     torch.testing.assert_close(guided, v_uncond + 3.0 * (v_cond - v_uncond), rtol=0, atol=1e-5)
 
 
+def _stock_edit_sample(pipe, cond, references, steps: int, call: dict) -> torch.Tensor:
+    """The stock edit pipeline's latents from generator seed 7 and re-noise seed 11, its prompt states the family's
+    (the tiny pipelines have no processor), unpacked to ``(B, 4, 4, 4)``. Edit takes one reference per prompt;
+    Edit-Plus one prompt whose references are the list (here one)."""
+    from PIL import Image
+
+    length = int(cond["encoder_hidden_states_mask"].sum(1).max())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)  # FlowMatchLCMScheduler's re-noise comes from the global RNG
+        tokens = pipe(
+            image=[Image.fromarray(reference.numpy()) for reference in references],
+            prompt_embeds=cond["encoder_hidden_states"][:, :length],
+            prompt_embeds_mask=cond["encoder_hidden_states_mask"][:, :length],
+            generator=torch.Generator().manual_seed(7),
+            output_type="latent",
+            num_inference_steps=steps,
+            **call,
+        ).images
+    return unpack_latents(tokens, 4, 4)
+
+
+def _miles_sample(family, path, cond, schedule, steps: int, step_rule: str = "dmd2") -> torch.Tensor:
+    """miles' sampler from the noise :func:`_stock_edit_sample` draws (``"dmd2"``: the re-noise too)."""
+    from miles.utils.sampling import denoise
+
+    batch = len(cond[CONDITION_KEY])
+    noise = torch.randn(batch, 4, 4, 4, generator=torch.Generator().manual_seed(7))
+    renoise = torch.Generator().manual_seed(11)
+    draws = [unpack_latents(torch.randn(batch, 4, 16, generator=renoise), 4, 4) for _ in range(steps)]
+    denoiser = family.load_denoiser(path)
+    fresh = (lambda k: draws[k]) if step_rule == "dmd2" else None
+    return denoise(family, denoiser, noise, cond, schedule, step_rule=step_rule, fresh_noise=fresh, record=False).final
+
+
+def test_edit_plus_with_one_reference_samples_as_its_stock_pipeline(tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+
+    from miles.utils.sampling import FlowNoiseSchedule
+
+    path = write_tiny_qwen_image_edit(tmp_path / "plus", plus=True)
+    write_sample_size(path, (SIZE, SIZE))
+    family = get_model_family(path)
+    assert isinstance(family, QwenImageEditFamily) and family.pipeline_class(path) == "QwenImageEditPlusPipeline"
+    references = _references(1)  # the Plus pipeline samples one prompt at a time; its image list is that prompt's
+    cond = family.encode_conditioned(family.load_text_encoder(path), PROMPTS[:1], references)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(path, processor=None)
+    pipe.set_progress_bar_config(disable=True)
+    # the stock Euler scheduler at the family's static shift: miles' Euler grid (sigmas=linspace(1, 1/S, S))
+    shift = family.flow_shift(path)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=False)
+    stock = _stock_edit_sample(pipe, cond, references, 2, {"height": SIZE, "width": SIZE, "true_cfg_scale": 1.0})
+    ours = _miles_sample(family, path, cond, FlowNoiseSchedule(2, shift), 2, step_rule="euler")
+    assert torch.isfinite(stock).all()
+    torch.testing.assert_close(stock, ours, rtol=0, atol=1e-5)
+
+
 def test_a_record_without_a_reference_is_one_line_naming_the_flag(pipeline):
     from miles.config import DataSpec, EngineSpec
     from miles.rollout.conditioning import PromptConditioner
@@ -225,10 +281,9 @@ def test_dmd2_trains_the_edit_student_on_two_ranks(trained):
 
 def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained):
     from diffusers import QwenImageEditPipeline
-    from PIL import Image
 
     from miles.models.sampling_schedule import stock_sampling_kwargs
-    from miles.utils.sampling import FlowNoiseSchedule, denoise
+    from miles.utils.sampling import FlowNoiseSchedule
 
     export = trained["export"]
     assert json.loads((export / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"
@@ -239,26 +294,8 @@ def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained):
     pipe.set_progress_bar_config(disable=True)
     call = stock_sampling_kwargs(export)
     assert call == {"num_inference_steps": 4, "true_cfg_scale": 1.0, "height": SIZE, "width": SIZE}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)  # FlowMatchLCMScheduler's re-noise comes from the global RNG
-        tokens = pipe(
-            image=[Image.fromarray(reference.numpy()) for reference in trained["references"]],
-            prompt_embeds=cond["encoder_hidden_states"][:, : int(cond["encoder_hidden_states_mask"].sum(1).max())],
-            prompt_embeds_mask=cond["encoder_hidden_states_mask"][
-                :, : int(cond["encoder_hidden_states_mask"].sum(1).max())
-            ],
-            generator=torch.Generator().manual_seed(7),
-            output_type="latent",
-            **call,
-        ).images
-    stock = unpack_latents(tokens, 4, 4)
-
-    noise = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(7))
-    renoise = torch.Generator().manual_seed(11)
-    draws = [unpack_latents(torch.randn(2, 4, 16, generator=renoise), 4, 4) for _ in range(4)]
-    schedule = FlowNoiseSchedule(4, family.flow_shift(export))
-    ours = denoise(
-        family, family.load_denoiser(export), noise, cond, schedule, fresh_noise=lambda k: draws[k], record=False
-    ).final
+    steps = call.pop("num_inference_steps")
+    stock = _stock_edit_sample(pipe, cond, trained["references"], steps, call)
+    ours = _miles_sample(family, export, cond, FlowNoiseSchedule(steps, family.flow_shift(export)), steps)
     assert torch.isfinite(stock).all()
     torch.testing.assert_close(stock, ours, rtol=0, atol=1e-5)

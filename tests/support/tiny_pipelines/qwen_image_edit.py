@@ -16,19 +16,26 @@ from tests.support.tiny_pipelines.qwen_image import write_tiny_qwen_image
 __all__ = ["write_tiny_qwen_image_edit"]
 
 
-def write_tiny_qwen_image_edit(folder: str | Path, seed: int = 0) -> Path:
+def write_tiny_qwen_image_edit(folder: str | Path, seed: int = 0, plus: bool = False) -> Path:
     """Write a tiny random ``QwenImageEditPipeline`` directory (no processor) to ``folder``.
 
+    Args:
+        plus: write a ``QwenImageEditPlusPipeline`` instead (Qwen-Image-Edit-2509 / 2511: the same components).
+
     Returns:
-        ``folder`` as a ``Path``; ``QwenImageEditPipeline.from_pretrained(folder, processor=None)`` opens it offline.
+        ``folder`` as a ``Path``; ``QwenImageEditPipeline.from_pretrained(folder, processor=None)`` (or the Plus
+        class) opens it offline.
     """
     import tempfile
 
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+    import diffusers
+    from diffusers import QwenImagePipeline
+
+    pipeline_class = getattr(diffusers, "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline")
 
     with tempfile.TemporaryDirectory() as scratch:
         base = QwenImagePipeline.from_pretrained(write_tiny_qwen_image(Path(scratch) / "qwen_image", seed))
-        pipe = QwenImageEditPipeline(
+        pipe = pipeline_class(
             scheduler=base.scheduler,
             vae=base.vae,
             text_encoder=base.text_encoder,
