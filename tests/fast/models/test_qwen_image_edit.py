@@ -41,9 +41,23 @@ def stock(pipeline):
 
 
 def _references(count: int, height: int = 24, width: int = 36) -> list[torch.Tensor]:
-    """uint8 (H, W, 3) references of a 3:2 aspect ratio: the stock pipeline resizes them to 1248 × 832."""
-    generator = make_generator("test_qwen_image_edit", "references", count)
-    return [torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8) for _ in range(count)]
+    """uint8 (H, W, 3) references of a 3:2 aspect ratio (the stock pipeline resizes them to 1248 × 832); reference
+    i is the same whatever ``count``."""
+    return [
+        torch.randint(
+            0, 256, (height, width, 3), generator=make_generator("test_qwen_image_edit", i), dtype=torch.uint8
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def encoded(pipeline):
+    """The family, its prompt encoder and the cond of :data:`PROMPTS` with ``_references(2)``: encoded once, since
+    each megapixel reference costs a VAE encode."""
+    family = get_model_family(pipeline)
+    encoder = family.load_text_encoder(pipeline)
+    return family, encoder, family.encode_conditioned(encoder, PROMPTS, _references(2))
 
 
 def test_the_family_reads_the_edit_pipeline_and_declares_its_reference(pipeline):
@@ -77,10 +91,8 @@ def test_reference_latents_are_the_stock_pipelines_image_latents(pipeline, stock
     torch.testing.assert_close(pack_latents(ours), image_latents, rtol=0, atol=1e-5)
 
 
-def test_the_velocity_is_the_stock_edit_transformer_call(pipeline, stock):
-    family = get_model_family(pipeline)
-    encoder = family.load_text_encoder(pipeline)
-    cond = family.encode_conditioned(encoder, PROMPTS, _references(2))
+def test_the_velocity_is_the_stock_edit_transformer_call(pipeline, stock, encoded):
+    family, encoder, cond = encoded
     assert set(cond) == {"encoder_hidden_states", "encoder_hidden_states_mask", CONDITION_KEY}
     assert cond[CONDITION_KEY].shape == (2, 4, 104, 156)
     latents = torch.randn(2, 4, 4, 4, generator=make_generator("test_qwen_image_edit", "latents"))
@@ -110,10 +122,8 @@ def test_the_velocity_is_the_stock_edit_transformer_call(pipeline, stock):
         assert not torch.allclose(family.predict_velocity(denoiser, latents, timestep, other), ours, atol=1e-4)
 
 
-def test_the_unconditional_branch_sees_the_samples_reference(pipeline):
-    family = get_model_family(pipeline)
-    encoder = family.load_text_encoder(pipeline)
-    cond = family.encode_conditioned(encoder, PROMPTS, _references(2))
+def test_the_unconditional_branch_sees_the_samples_reference(pipeline, encoded):
+    family, encoder, cond = encoded
     negative = family.encode_prompts(encoder, [" ", " "])
     assert CONDITION_KEY not in negative
     denoiser = family.load_denoiser(pipeline)
@@ -186,7 +196,7 @@ def test_edit_plus_with_one_reference_samples_as_its_stock_pipeline(tmp_path):
     torch.testing.assert_close(stock, ours, rtol=0, atol=1e-5)
 
 
-def test_a_record_without_a_reference_is_one_line_naming_the_flag(pipeline):
+def test_a_record_without_a_reference_is_one_line_naming_the_flag(pipeline, encoded):
     from miles.config import DataSpec, EngineSpec
     from miles.rollout.conditioning import PromptConditioner
 
@@ -196,13 +206,12 @@ def test_a_record_without_a_reference_is_one_line_naming_the_flag(pipeline):
     with pytest.raises(ValueError, match="record has none under --condition-image-key 'condition_image'"):
         conditioner.cond(["make it red"], [{"prompt": "make it red"}])
     image = _references(1)[0].numpy()
-    cond = conditioner.cond(["make it red"], [{"prompt": "make it red", "condition_image": image.tolist()}])
-    expected = family.encode_conditioned(conditioner.encoder, ["make it red"], [torch.from_numpy(image)])
-    assert set(cond) == set(expected)
+    cond = conditioner.cond([PROMPTS[0]], [{"prompt": PROMPTS[0], "condition_image": image.tolist()}])
+    expected = encoded[2]  # PROMPTS[0] with the same reference, in a batch of two
+    assert set(cond) == set(expected) and np.asarray(image).dtype == np.uint8
     for key in cond:
-        torch.testing.assert_close(cond[key], expected[key], rtol=0, atol=0)
+        torch.testing.assert_close(cond[key][0], expected[key][0], rtol=0, atol=1e-5)
     assert json.loads((pipeline / "model_index.json").read_text())["processor"] == [None, None]
-    assert np.asarray(image).dtype == np.uint8
 
 
 # ---- a prompt cache with the references, DMD2 on 2 ranks, the export in the stock edit pipeline ----
@@ -251,18 +260,17 @@ def trained(tmp_path_factory, ray_cluster):
     }
 
 
-def test_the_prompt_cache_holds_each_prompt_with_its_reference(trained):
-    family = get_model_family(trained["pipeline"])
+def test_the_prompt_cache_holds_each_prompt_with_its_reference(trained, encoded):
     from miles.rollout.conditioning import load_cond_file
 
     records = [json.loads(line) for line in (trained["root"] / "cache" / "prompts.jsonl").read_text().splitlines()]
-    encoder = family.load_text_encoder(trained["pipeline"])
-    for record, reference, prompt in zip(records, trained["references"], PROMPTS):
+    expected = encoded[2]  # the same pipeline weights (seed 0), prompts and references, encoded in one batch
+    assert len({record["cond"] for record in records}) == 2
+    for row, record in enumerate(records):
         cached = load_cond_file(trained["root"] / "cache" / record["cond"])
-        expected = family.encode_conditioned(encoder, [prompt], [reference])
         assert set(cached) == set(expected)
         for key in cached:
-            torch.testing.assert_close(cached[key], expected[key][0], rtol=0, atol=0)
+            torch.testing.assert_close(cached[key], expected[key][row], rtol=0, atol=1e-5)
     negative = load_cond_file(trained["root"] / "cache" / "negative.safetensors")
     assert CONDITION_KEY not in negative  # the unconditional branch takes each sample's reference
 
@@ -279,7 +287,7 @@ def test_dmd2_trains_the_edit_student_on_two_ranks(trained):
     assert all(math.isfinite(v) for r in actor + critic for k, v in r.items() if k.startswith("train/"))
 
 
-def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained):
+def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained, encoded):
     from diffusers import QwenImageEditPipeline
 
     from miles.models.sampling_schedule import stock_sampling_kwargs
@@ -289,7 +297,7 @@ def test_the_stock_edit_pipeline_samples_the_export_as_miles_does(trained):
     assert json.loads((export / "model_index.json").read_text())["_class_name"] == "QwenImageEditPipeline"
     family = get_model_family(export)
     assert isinstance(family, QwenImageEditFamily)
-    cond = family.encode_conditioned(family.load_text_encoder(export), PROMPTS, trained["references"])
+    cond = encoded[2]  # the export keeps the pipeline's text encoder and VAE
     pipe = QwenImageEditPipeline.from_pretrained(export, processor=None)
     pipe.set_progress_bar_config(disable=True)
     call = stock_sampling_kwargs(export)
