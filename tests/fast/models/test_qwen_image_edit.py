@@ -122,6 +122,44 @@ def test_the_velocity_is_the_stock_edit_transformer_call(pipeline, stock, encode
         assert not torch.allclose(family.predict_velocity(denoiser, latents, timestep, other), ours, atol=1e-4)
 
 
+def _processor_without_video(tokenizer):
+    """A ``Qwen2VLProcessor`` with its image half only (Pillow's ``Qwen2VLImageProcessorPil``): the stand-in for the
+    real checkpoint's processor, whose ``Qwen2VLVideoProcessor`` needs torchvision, which this machine lacks. The
+    processor's ``__init__`` insists on the video half, so the object is assembled from its parts."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    processor.image_processor = Qwen2VLImageProcessorPil()
+    processor.tokenizer = tokenizer
+    processor.video_processor = None
+    processor.chat_template = None
+    processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+    processor.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return processor
+
+
+def test_with_a_processor_the_prompt_is_encoded_with_the_references_vision_tokens(pipeline, stock):
+    from PIL import Image
+
+    family = get_model_family(pipeline)
+    encoder = family.load_text_encoder(pipeline)
+    encoder.pipe.processor = _processor_without_video(encoder.pipe.tokenizer)
+    [reference] = _references(1)
+    cond = family.encode_conditioned(encoder, PROMPTS[:1], [reference])
+    # the stock call's encode_prompt(image=prompt_image): the reference resized to the megapixel size (1248 × 832)
+    stock.processor = _processor_without_video(stock.tokenizer)
+    image = stock.image_processor.resize(Image.fromarray(reference.numpy()), 832, 1248)
+    states, mask = stock.encode_prompt(PROMPTS[:1], image=image, device="cpu")
+    length = states.shape[1]
+    assert mask is None and 1000 < length <= family.max_sequence_length  # ~1,300 vision tokens joined the prompt
+    torch.testing.assert_close(cond["encoder_hidden_states"][:, :length], states.float(), rtol=0, atol=1e-5)
+    assert (
+        cond["encoder_hidden_states_mask"][0].sum() == length and cond["encoder_hidden_states"][0, length:].eq(0).all()
+    )
+
+
 def test_the_unconditional_branch_sees_the_samples_reference(pipeline, encoded):
     family, encoder, cond = encoded
     negative = family.encode_prompts(encoder, [" ", " "])
