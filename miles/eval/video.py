@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from miles.utils.tracking import VIDEO_MEDIA_SUFFIXES
+
 __all__ = ["DEFAULT_FPS", "VIDEO_SUFFIXES", "save_animation", "save_video_grid"]
 
 logger = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 # Wan's own frame rate (WanPipeline's export_to_video(fps=16) in diffusers' examples; Wan 2.1 samples at 16 fps)
 DEFAULT_FPS = 16
 # Media files the tracker sends to wandb as wandb.Video rather than wandb.Image
-VIDEO_SUFFIXES = (".gif", ".mp4", ".webm")
+VIDEO_SUFFIXES = VIDEO_MEDIA_SUFFIXES
 
 
 def save_animation(frames: list[Image.Image] | np.ndarray, path: str | os.PathLike, *, fps: int = DEFAULT_FPS) -> Path:

@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsTracker", "METRICS_FILE", "drop_records_from", "read_metrics"]
+__all__ = ["MetricsTracker", "METRICS_FILE", "VIDEO_MEDIA_SUFFIXES", "drop_records_from", "read_metrics"]
 
 logger = logging.getLogger(__name__)
+
+# Media files sent to wandb as wandb.Video rather than wandb.Image (a video family's animations, miles.eval.video)
+VIDEO_MEDIA_SUFFIXES = (".gif", ".mp4", ".webm")
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -97,11 +100,11 @@ class MetricsTracker:
             if images:
                 import wandb
 
-                from miles.eval.video import VIDEO_SUFFIXES
-
                 payload.update(
                     {
-                        key: (wandb.Video if Path(path).suffix.lower() in VIDEO_SUFFIXES else wandb.Image)(str(path))
+                        key: (wandb.Video if Path(path).suffix.lower() in VIDEO_MEDIA_SUFFIXES else wandb.Image)(
+                            str(path)
+                        )
                         for key, path in images.items()
                     }
                 )
