@@ -232,7 +232,8 @@ class DataSpec:
 
     Attributes:
         prompt_data: the JSONL of prompts (``--prompt-data``). input_key, image_key, latent_key, cond_key: the keys of
-            a record's prompt, image, stored latent and cached cond. train_only: the records are the samples (SFT
+            a record's prompt, image, stored latent and cached cond. condition_image_key: the key of an
+            image-conditioned family's reference image (``--condition-image-key``). train_only: the records are the samples (SFT
             without the engine). rollout_batch_size: prompts per rollout. n_samples_per_prompt: samples per prompt.
         seed: ``--rollout-seed`` (the shuffles). shuffle: reshuffle every epoch.
     """
@@ -242,6 +243,7 @@ class DataSpec:
     image_key: str = "image"
     latent_key: str = "latent"
     cond_key: str = "cond"
+    condition_image_key: str = "condition_image"
     train_only: bool = False
     rollout_batch_size: int = 1
     n_samples_per_prompt: int = 1

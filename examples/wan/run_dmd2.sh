@@ -9,8 +9,9 @@
 #
 # REAL is a JSONL of real video latent records, one {"prompt": caption, "latent": file} per clip, each file a
 # .safetensors holding `latent`, the family's normalised (C, F, H, W) latent (`family.images_to_latents` of uint8
-# (F, H, W, 3) frames; docs/families.md): miles' encode_images reads image folders only, so video latents are
-# prepared outside this script.
+# (F, H, W, 3) frames; docs/families.md). After `prepare` (which records the clip size), write them from a folder
+# of clips (.mp4 / .mkv / .webm / .mov, each with a <name>.txt caption; pip install 'miles[video]' for PyAV):
+#   python -m miles.rollout.encode_images $MODEL_DIR /data/clips /data/real   # REAL=/data/real/data.jsonl
 #
 # Memory: the planner has no activation layout for WanTransformer3DModel yet, so the dry run says "not available";
 # by the parameter count alone (1.3B: 16 bytes per trainable parameter over 8 ranks, the bf16 model gathered per

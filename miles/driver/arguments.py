@@ -323,6 +323,13 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input-key", type=str, default="prompt", help="JSONL key of the prompt.")
     group.add_argument("--image-key", type=str, default="image", help="JSONL key of the image for --train-only.")
     group.add_argument(
+        "--condition-image-key",
+        type=str,
+        default="condition_image",
+        help="JSONL key of the reference image an image-conditioned family (qwen_image_edit) edits: a .png / .npy "
+        "path relative to the JSONL file, or nested uint8 pixels.",
+    )
+    group.add_argument(
         "--latent-key",
         type=str,
         default="latent",

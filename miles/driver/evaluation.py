@@ -5,7 +5,8 @@ The student samples the eval prompts (``--eval-prompt-data``, default ``--prompt
 fixed noise, so every evaluation of a run is comparable; the samples are split over the actor ranks (or the engine
 replicas). ``--eval-function-path`` scores them; the figures are logged as ``eval/<name>`` and the PNG grid
 ``<output-dir>/eval/rollout_<id>.png`` (at most :data:`GRID_MAX_IMAGES` images, each at most
-:data:`GRID_MAX_SIDE` pixels a side) as wandb media. Every evaluation also logs the collapse alarms' figures of the
+:data:`GRID_MAX_SIDE` pixels a side; a video family's as frame strips, plus the animation ``rollout_<id>.gif``) as
+wandb media. Every evaluation also logs the collapse alarms' figures of the
 decoded samples, ``health/eval_diversity`` (the spread across the seeds of each prompt) and
 ``health/eval_saturated_frac`` (:func:`miles.utils.health.eval_health_figures`).
 """
@@ -167,7 +168,9 @@ def maybe_evaluate(
     ``--eval-function-path`` and log the figures as ``eval/<name>``.
 
     The grid ``<output-dir>/eval/rollout_<id>.png`` is the hook's own if it writes one there, else the images tiled
-    in order; it is logged as wandb media with ``--use-wandb``.
+    in order (a video family's as frame strips); it is logged as wandb media with ``--use-wandb``. A video family's
+    samples are also written as the animation ``rollout_<id>.gif`` (:func:`miles.eval.video.save_video_grid`), logged
+    as ``eval/samples_video`` (``wandb.Video``).
 
     With ``groups`` (the trainer groups), the method's own eval images are drawn too (``Method.eval_media``: DMD2's
     debug grid) and logged as media beside the samples, and its own figures (``Method.eval_metrics``: DMD2's
@@ -206,6 +209,11 @@ def maybe_evaluate(
         # The hook may draw its own grid there (the digits hook labels one row per digit); else tile the images.
         save_image_grid(_grid_images(images), grid, per_row=10)
     media = {"eval/samples": grid}
+    if getattr(images, "ndim", 0) == 5:
+        # A video family: the PNG is the frame strip; the same samples play as an animation beside it.
+        from miles.eval.video import save_video_grid
+
+        media["eval/samples_video"] = save_video_grid(_grid_images(images), grid.with_suffix(".gif"), per_row=10)
     if groups is not None:
         from miles.methods import get_method
 

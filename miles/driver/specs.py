@@ -90,6 +90,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
         prompt_data=args.prompt_data,
         input_key=args.input_key,
         image_key=args.image_key,
+        condition_image_key=args.condition_image_key,
         latent_key=args.latent_key,
         cond_key=args.cond_key,
         train_only=args.train_only,

@@ -9,6 +9,7 @@ them on any model family's images and any feature extractor):
   class).
 * :mod:`miles.eval.report`: ``write_summary`` (markdown + JSON) and ``log_to_wandb``.
 * :mod:`miles.eval.images`: ``to_uint8_images``, latents in ``[-1, 1]`` or pixels to uint8.
+* :mod:`miles.eval.video`: ``save_video_grid`` and ``save_animation``, a video family's samples as animated GIFs.
 
 :mod:`miles.eval.digits` is the digits recipe's evaluation (its data split, classifier, figures and the
 ``--eval-function-path`` hook). Import the modules directly; this package imports nothing so that

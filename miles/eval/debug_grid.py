@@ -27,7 +27,8 @@ The row labels and the legend band appear with ``titles=True`` only (the legend 
   digit nor ``RdBu_r`` contains; they are left out of a signed row's scale.
 * **Video** (a 5-D column ``(N, C, F, H, W)``, a video family's latents): each sample's F frames are drawn side by
   side, left to right in time, as one ``H × F·W`` strip (decoded frames likewise); a signed column's row scale
-  covers all its frames.
+  covers all its frames. :func:`render_dmd2_debug_frames` draws the same columns as one grid per frame (an
+  animation, :func:`save_dmd2_debug_video`).
 * Every column is brought to the common cell size by nearest-neighbour upscaling (pixel blocks, no smoothing), so
   a gradient in latent resolution lines up with VAE-decoded images; integer ratios are exact pixel repeats.
 """
@@ -43,7 +44,14 @@ import torch
 from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["render_dmd2_debug_grid", "save_dmd2_debug_grid", "COLORMAP", "NON_FINITE_RGB"]
+__all__ = [
+    "render_dmd2_debug_frames",
+    "render_dmd2_debug_grid",
+    "save_dmd2_debug_grid",
+    "save_dmd2_debug_video",
+    "COLORMAP",
+    "NON_FINITE_RGB",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +334,80 @@ def save_dmd2_debug_grid(columns: Mapping[str, torch.Tensor], path: str | os.Pat
     image.save(path, format="PNG")
     logger.debug("saved DMD2 debug grid %s (%dx%d)", path, image.width, image.height)
     return path
+
+
+def _frame_of(index: int, frames: int, total: int) -> int:
+    """The frame of a column with ``frames`` frames shown at output frame ``index`` of ``total``: a causal video
+    VAE's mapping (Wan: latent frame 0 is pixel frame 0, latent frame k ≥ 1 covers pixel frames 4k − 3 … 4k), i.e.
+    ``ceil(index · (frames − 1) / (total − 1))``; the frame itself when the counts agree."""
+    if frames == total or total == 1:
+        return min(index, frames - 1)
+    return -(-index * (frames - 1) // (total - 1))
+
+
+def render_dmd2_debug_frames(
+    columns: Mapping[str, torch.Tensor],
+    *,
+    signed: Collection[str] = frozenset({"g"}),
+    decode: Callable[[torch.Tensor], Any] | None = None,
+    title: str | None = None,
+    **kwargs,
+) -> list[Image.Image]:
+    """The debug grid of video columns as one grid per frame (the frames of an animation).
+
+    Image columns are decoded once (``decode``: ``(N, C, F', H, W) → uint8 (N, F, H', W', 3 or 1)``), so the
+    output has the decoded clip's F frames; a column with fewer frames (the latent-resolution g, or raw latents
+    without ``decode``) shows at output frame ``f`` its frame ``ceil(f · (F' − 1) / (F − 1))``, the causal video
+    VAE's mapping. Each frame is :func:`render_dmd2_debug_grid` of that frame's 4-D columns (a signed row's scale
+    is that frame's), with ``title`` followed by ``frame f of F``.
+
+    Args:
+        columns: column name → float ``(N, C, F', H, W)``; as :func:`render_dmd2_debug_grid`.
+        signed, decode: as :func:`render_dmd2_debug_grid`.
+        title: the line above each frame's grid (``frame f of F`` is added to it).
+        kwargs: the other keyword arguments of :func:`render_dmd2_debug_grid` (``scale``, ``titles``,
+            ``spacing``, ``row_labels``, ``legend``).
+
+    Returns:
+        F RGB PIL images; their sizes may differ by a few pixels (the printed row scales' widths).
+
+    Raises:
+        ValueError: for a column that is not 5-D, and as :func:`render_dmd2_debug_grid`.
+    """
+    tensors = _check_columns(columns)
+    for name, tensor in tensors.items():
+        if tensor.ndim != 5:
+            raise ValueError(f"column {name!r}: a debug video needs (N, C, F, H, W), got {tuple(tensor.shape)}")
+    shown: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name in signed or decode is None:
+                shown[name] = tensor.float().cpu()
+                continue
+            images = decode(tensor)
+            images = np.asarray(images.detach().cpu().numpy() if hasattr(images, "detach") else images)
+            if images.dtype != np.uint8 or images.ndim != 5 or images.shape[-1] not in (1, 3):
+                raise ValueError(
+                    f"column {name!r}: decode returned {images.dtype} of shape {tuple(images.shape)}, expected uint8 "
+                    f"(N, F, H', W', 3 or 1)"
+                )
+            # uint8 p → p / 127.5 − 1 in [-1, 1], which the grid's pixel rule turns back into p exactly
+            shown[name] = torch.from_numpy(images).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+    total = max(tensor.shape[2] for tensor in shown.values())
+    frames = []
+    for index in range(total):
+        frame_columns = {name: t[:, :, _frame_of(index, t.shape[2], total)] for name, t in shown.items()}
+        heading = f"{title}; frame {index + 1} of {total}" if title else f"frame {index + 1} of {total}"
+        frames.append(render_dmd2_debug_grid(frame_columns, signed=signed, decode=None, title=heading, **kwargs))
+    return frames
+
+
+def save_dmd2_debug_video(
+    columns: Mapping[str, torch.Tensor], path: str | os.PathLike, *, fps: int | None = None, **kwargs
+) -> Path:
+    """Render :func:`render_dmd2_debug_frames` (same keyword arguments) and save the frames as an animated GIF at
+    ``path`` (:func:`miles.eval.video.save_animation`; ``fps`` default :data:`miles.eval.video.DEFAULT_FPS`).
+    Returns ``path`` as a ``Path``."""
+    from miles.eval.video import DEFAULT_FPS, save_animation
+
+    return save_animation(render_dmd2_debug_frames(columns, **kwargs), path, fps=fps or DEFAULT_FPS)

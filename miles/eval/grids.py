@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from miles.eval.images import to_uint8_images
 
-__all__ = ["eval_grid_path", "render_labelled_grid", "save_labelled_grid", "save_image_grid"]
+__all__ = ["eval_grid_path", "render_labelled_grid", "save_labelled_grid", "save_image_grid", "tile_images"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,22 +167,8 @@ def save_labelled_grid(
     return str(path)
 
 
-def save_image_grid(
-    images: Any, path: str | os.PathLike, *, per_row: int = 10, scale: int | None = None, spacing: int = 4
-) -> str:
-    """Tile any model family's images in input order, ``per_row`` to a row, and save a PNG (parents created).
-
-    The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_labelled_grid` it needs no labels.
-
-    Args:
-        images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255; a video family's
-            ``[N, F, H, W, C]`` is drawn as one strip of its F frames side by side per cell.
-        per_row: images per row (≥ 1).
-        scale: nearest-neighbour upscaling factor; default makes small images (digits' 8×8) about 48 pixels wide.
-        spacing: background pixels around and between cells.
-
-    Returns:
-        ``path`` as a string.
+def tile_images(images: Any, *, per_row: int = 10, scale: int | None = None, spacing: int = 4) -> np.ndarray:
+    """The canvas of :func:`save_image_grid`: uint8 ``(H', W', C)`` (``(H', W')`` for one channel).
 
     Raises:
         ValueError: for an empty batch or a non-positive ``per_row``.
@@ -208,9 +194,34 @@ def save_image_grid(
         top = spacing + (i // per_row) * (cell_h + spacing)
         left = spacing + (i % per_row) * (cell_w + spacing)
         canvas[top : top + cell_h, left : left + cell_w] = image.repeat(scale, axis=0).repeat(scale, axis=1)
+    return canvas[..., 0] if channels == 1 else canvas
+
+
+def save_image_grid(
+    images: Any, path: str | os.PathLike, *, per_row: int = 10, scale: int | None = None, spacing: int = 4
+) -> str:
+    """Tile any model family's images in input order, ``per_row`` to a row, and save a PNG (parents created).
+
+    The train-time eval grid of ``train_diffusion.py``: unlike :func:`save_labelled_grid` it needs no labels.
+
+    Args:
+        images: uint8 ``[N, H, W, C]`` (C = 1 or 3) or ``[N, H, W]``, pixels 0..255; a video family's
+            ``[N, F, H, W, C]`` is drawn as one strip of its F frames side by side per cell (the frame strip;
+            :func:`miles.eval.video.save_video_grid` writes the same cells as an animation).
+        per_row: images per row (≥ 1).
+        scale: nearest-neighbour upscaling factor; default makes small images (digits' 8×8) about 48 pixels wide.
+        spacing: background pixels around and between cells.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        ValueError: for an empty batch or a non-positive ``per_row``.
+    """
+    canvas = tile_images(images, per_row=per_row, scale=scale, spacing=spacing)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(canvas[..., 0] if channels == 1 else canvas).save(path, format="PNG")
+    Image.fromarray(canvas).save(path, format="PNG")
     return str(path)
 
 

@@ -437,9 +437,11 @@ class DMD2Method(Method):
         critic's x0 predictions of it re-noised, and the gradient map g (and ``g_gan`` under phase 2), decoded
         through the family's VAE where there is one. The samples' noise and stop steps are keyed by the rollout id
         ``"debug"``, so every evaluation of a run draws the same ones: one per distinct eval prompt
-        (:func:`debug_records`). Saved as ``<output-dir>/eval/dmd2_debug_<rollout>.png``."""
+        (:func:`debug_records`). Saved as ``<output-dir>/eval/dmd2_debug_<rollout>.png`` (a video family's clips as
+        frame strips, and the animation ``dmd2_debug_<rollout>.gif`` beside it, logged as ``eval/dmd2_debug_video``).
+        """
         records = debug_records(eval_records, args.input_key)
-        return {"eval/dmd2_debug": dmd2_debug_grid(args, groups, records, rollout_id)}
+        return dmd2_debug_grid(args, groups, records, rollout_id)
 
     def eval_metrics(self, args: argparse.Namespace, groups: dict, rollout_id: int) -> dict[str, float]:
         """With ``--dmd2-gan-eval-real-data``: the discriminator's prompt AUC, real-vs-fake AUC and mean logits on

@@ -37,12 +37,17 @@ def _row_label(prompt: str, pair, sigma: float, num_steps: int) -> str:
     return f"{shown}\n{stopped}\nscored at sigma {sigma:.2f}"
 
 
-def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict], rollout_id: int) -> Path:
+def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict], rollout_id: int) -> dict[str, Path]:
     """Generate ``records``' samples with the actor group (rollout id ``"debug"``), score them with the critic
     group's train-output hook (no training step), and draw :func:`miles.eval.debug_grid.save_dmd2_debug_grid`
     with a title (the rollout, the weights that drew the samples), one labelled row per record (its prompt, the
-    step the student stopped at with its σ, the σ the teacher and critic scored at) and the colour legend."""
-    from miles.eval.debug_grid import save_dmd2_debug_grid
+    step the student stopped at with its σ, the σ the teacher and critic scored at) and the colour legend.
+
+    Returns:
+        ``{"eval/dmd2_debug": <output-dir>/eval/dmd2_debug_<rollout>.png}`` and, for a video family, also
+        ``{"eval/dmd2_debug_video": ....gif}``, the same grid as one frame per video frame
+        (:func:`miles.eval.debug_grid.save_dmd2_debug_video`)."""
+    from miles.eval.debug_grid import save_dmd2_debug_grid, save_dmd2_debug_video
     from miles.models import PixelCodec, supports
     from miles.rollout.data_source import make_prompt_shard
     from miles.rollout.engine import data_base_dir
@@ -82,4 +87,8 @@ def dmd2_debug_grid(args: argparse.Namespace, groups: dict, records: list[dict],
     )
     labels = [_row_label(pair.prompt, pair, sigma, steps) for pair, sigma in zip(pairs, sigmas)]
     decode = family.latents_to_images if supports(family, PixelCodec) else None  # else raw latents as pixels
-    return save_dmd2_debug_grid(columns, path, signed={"g", "g_gan"}, decode=decode, title=title, row_labels=labels)
+    drawing = {"signed": {"g", "g_gan"}, "decode": decode, "title": title, "row_labels": labels}
+    media = {"eval/dmd2_debug": save_dmd2_debug_grid(columns, path, **drawing)}
+    if student.ndim == 5:
+        media["eval/dmd2_debug_video"] = save_dmd2_debug_video(columns, path.with_suffix(".gif"), **drawing)
+    return media

@@ -12,6 +12,7 @@ from miles.models.base import DENOISER, ModelFamily, PromptEncoder
 from miles.models.capabilities import (
     DifferentiablePixels,
     EmbeddedGuidance,
+    ImageConditioned,
     MemoryLayout,
     PixelCodec,
     TokenFeatures,
@@ -27,6 +28,7 @@ __all__ = [
     "DifferentiablePixels",
     "DiffusersFamily",
     "EmbeddedGuidance",
+    "ImageConditioned",
     "MemoryLayout",
     "ModelFamily",
     "PixelCodec",

@@ -15,6 +15,8 @@ declaration). Each protocol's abstract methods must then be implemented.
   (``--dmd2-gan-disc-weight``).
 - :class:`DifferentiablePixels` (optional): latents → float pixels with autograd. Unlocks the DMD2 reward group
   (``--dmd2-reward-weight``), whose reward gradient flows back through the decode.
+- :class:`ImageConditioned` (optional): each record carries a reference image (``--condition-image-key``) that
+  conditions the denoiser besides the prompt (Qwen-Image-Edit); the prompt conditioner encodes both.
 - :class:`MemoryLayout` (optional): the denoiser's tokens per sample, activations per token and block, and FLOPs per
   sample. Unlocks ``--dry-run``'s memory plan and time estimate (:mod:`miles.driver.memory_plan`,
   :mod:`miles.driver.estimate`), which ask the family and know no family themselves.
@@ -35,6 +37,7 @@ __all__ = [
     "GUIDANCE_FORMS",
     "DifferentiablePixels",
     "EmbeddedGuidance",
+    "ImageConditioned",
     "MemoryLayout",
     "PixelCodec",
     "TokenFeatures",
@@ -209,6 +212,19 @@ class MemoryLayout(Protocol):
     def flops_per_sample(self, path) -> tuple[float, int]:
         """``(FLOPs, parameters)`` of one denoiser forward of one sample of pipeline ``path``, counted on the meta
         device (:func:`miles.models.memory.count_forward_flops`); no weight is read."""
+
+
+class ImageConditioned(Protocol):
+    """Optional: the denoiser is conditioned on a reference image of each record besides its prompt (an edit model:
+    Qwen-Image-Edit). Records name the image under ``--condition-image-key``; the prompt conditioner
+    (:class:`miles.rollout.conditioning.PromptConditioner`) hands the family each prompt with its image, and the
+    cond kwargs it returns carry both (a prompt cache is not written for such a family: records are encoded where
+    they are used)."""
+
+    @abstractmethod
+    def encode_conditioned(self, encoder: Any, prompts: list[str], images: list[Tensor]) -> Cond:
+        """The cond kwargs ``{name: (B, ...)}`` (float32, CPU) of B prompts, each with its reference image, uint8
+        ``(H, W, C)``."""
 
 
 def supports(family: Any, capability: type) -> bool:

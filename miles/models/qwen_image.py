@@ -96,7 +96,21 @@ class QwenImageFamily(PackedDiTFamily, TrueCFG, PixelCodec, TokenFeatures):
         states, mask = encoder.pipe.encode_prompt(
             prompt=prompts, device=encoder.device, max_sequence_length=self.max_sequence_length
         )
+        return self.padded_cond(states, mask)
+
+    def padded_cond(self, states: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+        """``encode_prompt``'s ``(B, L, D)`` states and 0/1 mask (None: none padded) zero-padded to
+        :attr:`max_sequence_length` rows, float32 on the CPU.
+
+        Raises:
+            ValueError: if L exceeds :attr:`max_sequence_length`.
+        """
         batch, length, width = states.shape
+        if length > self.max_sequence_length:
+            raise ValueError(
+                f"the {self.name} prompt encoding is {length} tokens long, more than the family's "
+                f"{self.max_sequence_length}"
+            )
         padded = torch.zeros(batch, self.max_sequence_length, width, dtype=torch.float32)
         padded[:, :length] = states.float().cpu()
         full_mask = torch.zeros(batch, self.max_sequence_length, dtype=torch.float32)

@@ -36,6 +36,7 @@ BUILTIN_FAMILY_MODULES = (
     "miles.models.sd3",
     "miles.models.digits",
     "miles.models.qwen_image",
+    "miles.models.qwen_image_edit",
     "miles.models.flux",
     "miles.models.flux2",
     "miles.models.wan",

@@ -11,6 +11,9 @@ and the file holds the family's cond kwargs for that prompt without a batch dime
 ``--negative-cond`` (a file of the same kind) or is encoded from ``--negative-prompt``. ``python -m
 miles.rollout.prompt_cache`` writes such a cache for any family.
 
+An image-conditioned family (:class:`miles.models.capabilities.ImageConditioned`, Qwen-Image-Edit) encodes each
+record's prompt with its reference image (``--condition-image-key``).
+
 Records without a cached cond are encoded by the family's text encoder, loaded on first use in the process that
 needs it (each DP rank encodes its own shard), in the trainer's compute dtype, and handed to the group's sleep
 controller: it then sleeps and wakes with the actor group's own state. ``--dry-run`` counts it in the memory plan
@@ -27,6 +30,7 @@ from torch import nn
 
 from miles.config import EngineSpec
 from miles.models.base import encode_one_prompt, text_encoder_modules
+from miles.models.capabilities import ImageConditioned, supports
 
 __all__ = ["PromptConditioner", "load_cond_file"]
 
@@ -118,12 +122,35 @@ class PromptConditioner:
             else:
                 to_encode.append(position)
         if len(to_encode) == len(prompts):
-            return self.family.encode_prompts(self.encoder, list(prompts))
+            return self._encode(list(prompts), list(records), base_dir)
         if to_encode:
-            encoded = self.family.encode_prompts(self.encoder, [prompts[p] for p in to_encode])
+            encoded = self._encode([prompts[p] for p in to_encode], [records[p] for p in to_encode], base_dir)
             for row, position in enumerate(to_encode):
                 rows[position] = {key: value[row] for key, value in encoded.items()}
         return _stack_rows(rows)
+
+    def _encode(self, prompts: list[str], records: list, base_dir: str | Path) -> dict[str, torch.Tensor]:
+        """Encode prompts with the family's text encoder; an image-conditioned family's with each record's reference
+        image (``--condition-image-key``) too.
+
+        Raises:
+            ValueError: naming the prompt and the flag, for a record without a reference image; as
+                :func:`miles.rollout.data_source.load_image` for a bad one.
+        """
+        if not supports(self.family, ImageConditioned):
+            return self.family.encode_prompts(self.encoder, prompts)
+        from miles.rollout.data_source import load_image
+
+        key = self.spec.data.condition_image_key
+        images = []
+        for prompt, record in zip(prompts, records):
+            if not isinstance(record, dict) or key not in record:
+                raise ValueError(
+                    f"prompt {prompt!r}: the {self.family.name} family edits a reference image, but the record has none "
+                    f"under --condition-image-key {key!r}"
+                )
+            images.append(load_image(record[key], base_dir))
+        return self.family.encode_conditioned(self.encoder, prompts, images)
 
     def negative(self) -> dict[str, torch.Tensor]:
         """The negative prompt's cond kwargs, one row without a batch dim: from ``--negative-cond`` when given,

@@ -1,4 +1,4 @@
-"""Encode a folder of real images to latent records: ``python -m miles.rollout.encode_images``.
+"""Encode a folder of real images or video clips to latent records: ``python -m miles.rollout.encode_images``.
 
 The records are the data format that ``--train-only`` reads (and the critic's real data of DMD2 phase 2): each
 names a latent file that :func:`miles.rollout.data_source.load_record_latent` loads, so training never runs the VAE
@@ -9,7 +9,8 @@ its ``shift_factor`` and ``scaling_factor`` applied, ``(mode − shift) · scali
     python -m miles.rollout.encode_images PIPELINE IMAGE_DIR OUT_DIR [--captions captions.jsonl] [--prompt TEXT]
         [--batch-size 8]
 
-reads every ``.png``, ``.jpg`` / ``.jpeg`` and ``.webp`` file directly in IMAGE_DIR (sorted by name) and writes::
+reads every ``.png``, ``.jpg`` / ``.jpeg`` and ``.webp`` file directly in IMAGE_DIR (sorted by name), or for a video
+family (``wan``) every ``.mp4``, ``.mkv``, ``.webm``, ``.mov``, ``.avi`` and ``.gif`` file, and writes::
 
     OUT_DIR/latents/<name>.safetensors   one tensor "latent", float32 (C, h, w), <name> = the image's file stem
     OUT_DIR/data.jsonl                    {"prompt": ..., "latent": "latents/<name>.safetensors", "file_name": ...}
@@ -21,6 +22,13 @@ its EXIF orientation, converted to the pipeline's channels (RGB for SD3), resize
 pipeline's pixel size (``family.image_shape``: for SD3 the transformer's ``sample_size`` times the VAE's downscale
 factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smaller than that size is rejected rather
 than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
+
+**Video.** A video family's pixel size is ``(F, H, W, 3)`` (``family.image_shape``; Wan: ``4k + 1`` frames). Each
+clip is decoded with PyAV (``pip install 'miles[video]'``; FFmpeg's decoders, bundled in its wheels): its first F
+frames in presentation order, each fitted to ``H × W`` as an image is (Lanczos cover, centre crop), then the family's
+VAE encodes the clip (Wan: the normalised video latent ``(C, F', H/8, W/8)``). A clip shorter than F frames or
+smaller than ``H × W`` is rejected, and so is a still image for a video family or a clip for an image family. The
+records are the GAN head's real data of a video DMD2 run (``--dmd2-gan-real-data OUT_DIR/data.jsonl``).
 """
 
 import logging
@@ -35,28 +43,47 @@ from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
 from miles.rollout.offline_files import OfflineDataError
 
-__all__ = ["IMAGE_SUFFIXES", "encode_image_folder", "fit_image", "list_images", "main", "read_captions"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "VIDEO_SUFFIXES",
+    "encode_image_folder",
+    "fit_image",
+    "fit_video",
+    "list_images",
+    "main",
+    "read_captions",
+]
 
 logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".gif")
 MANIFEST = "encode_images.json"
 _MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
-def list_images(image_dir: str | Path) -> list[Path]:
-    """The image files directly in ``image_dir``, sorted by name.
+def list_images(image_dir: str | Path, *, video: bool = False) -> list[Path]:
+    """The image files (``video``: the video files) directly in ``image_dir``, sorted by name.
 
     Raises:
-        OfflineDataError: if the directory does not exist, holds no image, or two images share a file stem (they
-            would write the same latent file).
+        OfflineDataError: if the directory does not exist, holds no such file, holds files of the other kind (a
+            still image for a video family, a clip for an image family), or two files share a file stem (they would
+            write the same latent file).
     """
     image_dir = Path(image_dir)
     if not image_dir.is_dir():
         raise OfflineDataError(f"image directory {image_dir} does not exist")
-    images = sorted(p for p in image_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    suffixes, other = (VIDEO_SUFFIXES, IMAGE_SUFFIXES) if video else (IMAGE_SUFFIXES, VIDEO_SUFFIXES)
+    files = sorted(p for p in image_dir.iterdir() if p.is_file())
+    images = [p for p in files if p.suffix.lower() in suffixes]
+    # .gif is a clip for a video family; an image family reads no .gif at all (a frame of it would be a guess)
+    wrong = [p for p in files if p.suffix.lower() in other and p.suffix.lower() not in suffixes]
+    if wrong:
+        kind = "a still image" if video else "a video file"
+        family = "a video family encodes clips" if video else "an image family encodes images"
+        raise OfflineDataError(f"{wrong[0]} is {kind}, but {family}; move it out of {image_dir}")
     if not images:
-        raise OfflineDataError(f"image directory {image_dir} holds no {'/'.join(IMAGE_SUFFIXES)} file")
+        raise OfflineDataError(f"image directory {image_dir} holds no {'/'.join(suffixes)} file")
     stems: dict[str, Path] = {}
     for image in images:
         if image.stem in stems:
@@ -102,11 +129,38 @@ def _caption(image: Path, captions: dict[str, str], prompt: str | None) -> str:
     )
 
 
-def _check_size(path: Path, shape: tuple[int, int, int]) -> None:
-    """Reject an unreadable or too small image from its header alone (no decoding)."""
+def _open_video(path: Path):
+    """``av.open(path)`` with its first video stream; an unreadable file or missing PyAV is one error line."""
+    try:
+        import av
+    except ImportError as exc:
+        raise OfflineDataError(
+            f"reading {path} needs PyAV, the video decoder: pip install 'miles[video]' (or pip install av)"
+        ) from exc
+    try:
+        container = av.open(str(path))
+    except (av.FFmpegError, OSError) as exc:
+        raise OfflineDataError(f"video {path} is not a readable video ({exc})") from exc
+    if not container.streams.video:
+        container.close()
+        raise OfflineDataError(f"video {path} has no video stream")
+    return container
+
+
+def _check_size(path: Path, shape: tuple[int, ...]) -> None:
+    """Reject an unreadable or too small image or clip from its header alone (no decoding)."""
     from PIL import Image, UnidentifiedImageError
 
-    height, width, _ = shape
+    height, width, _ = shape[-3:]
+    if len(shape) == 4:
+        with _open_video(path) as container:
+            stream = container.streams.video[0]
+            w, h = stream.codec_context.width, stream.codec_context.height
+        if w < width or h < height:
+            raise OfflineDataError(
+                f"video {path} is {w}×{h} px, smaller than the pipeline's {width}×{height}; upscale it or leave it out"
+            )
+        return
     try:
         with Image.open(path) as opened:
             w, h = opened.size
@@ -135,16 +189,60 @@ def fit_image(path: str | Path, shape: tuple[int, int, int]) -> np.ndarray:
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    height, width, channels = shape
     try:
         with Image.open(path) as opened:
-            image = ImageOps.exif_transpose(opened).convert(_MODES[channels])
+            image = ImageOps.exif_transpose(opened).convert(_MODES[shape[2]])
     except (UnidentifiedImageError, OSError) as exc:
         raise OfflineDataError(f"image {path} is not a readable image ({exc})") from exc
+    return _fit(image, shape, f"image {path}")
+
+
+def fit_video(path: str | Path, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """Decode a clip's first ``F`` frames (PyAV, presentation order) and fit each to ``H × W`` as :func:`fit_image`
+    fits an image (RGB, Lanczos cover, centre crop).
+
+    Args:
+        shape: the video family's ``(F, H, W, 3)`` (``family.image_shape``).
+
+    Returns:
+        uint8 ``(F, H, W, 3)``.
+
+    Raises:
+        OfflineDataError: if PyAV is not installed, the file is not a readable video, has fewer than ``F`` frames or
+            is smaller than ``H × W``.
+    """
+    from PIL import Image
+
+    frames, height, width, channels = shape
+    if channels != 3:
+        raise OfflineDataError(f"video {path}: a video family's pixels are RGB, the pipeline asks for {channels}")
+    fitted = []
+    with _open_video(Path(path)) as container:
+        import av  # importable: _open_video checked it
+
+        try:
+            for frame in container.decode(video=0):
+                image = Image.fromarray(frame.to_ndarray(format="rgb24"))
+                fitted.append(_fit(image, (height, width, 3), f"video {path}"))
+                if len(fitted) == frames:
+                    break
+        except av.FFmpegError as exc:
+            raise OfflineDataError(f"video {path} could not be decoded ({exc})") from exc
+    if len(fitted) < frames:
+        raise OfflineDataError(f"video {path} has {len(fitted)} frames, the pipeline's clips have {frames}")
+    return np.stack(fitted)
+
+
+def _fit(image, shape: tuple[int, int, int], what: str) -> np.ndarray:
+    """A PIL image (already in the right mode) resized with Lanczos to cover ``H × W`` and centre-cropped; uint8
+    ``(H, W, C)``."""
+    from PIL import Image
+
+    height, width, channels = shape
     w, h = image.size
     if w < width or h < height:
         raise OfflineDataError(
-            f"image {path} is {w}×{h} px, smaller than the pipeline's {width}×{height}; upscale it or leave it out"
+            f"{what} is {w}×{h} px, smaller than the pipeline's {width}×{height}; upscale it or leave it out"
         )
     scale = max(width / w, height / h)
     size = (max(width, round(w * scale)), max(height, round(h * scale)))
@@ -166,10 +264,12 @@ def encode_image_folder(
     progress: bool | None = None,
     family_name: str | None = None,
 ) -> dict[str, Any]:
-    """Fit, caption and encode every image of ``image_dir``; write the latent records to ``out_dir``.
+    """Fit, caption and encode every image (a video family: every clip) of ``image_dir``; write the latent records
+    to ``out_dir``.
 
     Every image's caption and size are checked (from its header) before the VAE runs, so a bad image fails in
-    seconds; images are decoded one batch at a time.
+    seconds; images are decoded one batch at a time. A video family (``family.image_shape`` of 4 axes,
+    ``(F, H, W, 3)``) reads clips with :func:`fit_video` and its ``images_to_latents`` takes ``(B, F, H, W, 3)``.
 
     Args:
         pipeline: a pipeline directory of any model family; its ``images_to_latents`` encodes the images (on the
@@ -190,7 +290,7 @@ def encode_image_folder(
 
     Raises:
         OfflineDataError: for a missing or unsupported pipeline, a missing image folder, an unreadable, too small or
-            uncaptioned image, a bad captions file, an unwritable ``out_dir`` or a batch size below 1.
+            uncaptioned image (or clip, or one too short), a file of the other kind, a bad captions file, an unwritable ``out_dir`` or a batch size below 1.
     """
     from miles.models import PixelCodec
 
@@ -201,7 +301,9 @@ def encode_image_folder(
         latent_shape = family.latent_shape(pipeline)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise OfflineDataError(f"pipeline {pipeline}: {exc}") from exc
-    images = list_images(image_dir)
+    video = len(shape) == 4
+    images = list_images(image_dir, video=video)
+    fit = fit_video if video else fit_image
     caption_map = read_captions(captions) if captions is not None else {}
     unused = set(caption_map) - {image.name for image in images}
     if unused:
@@ -213,7 +315,7 @@ def encode_image_folder(
 
     records = []
     for start, batch in offline_files.batches(images, batch_size, progress, "image", "encoding images"):
-        pixels = torch.from_numpy(np.stack([fit_image(image, shape) for image in batch]))
+        pixels = torch.from_numpy(np.stack([fit(image, shape) for image in batch]))
         latents = family.images_to_latents(pixels).float().cpu()
         for offset, latent in enumerate(latents):
             image = images[start + offset]
@@ -245,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     exit code (0, or 2 after one error line on stderr)."""
     parser = offline_files.command_parser(
         "python -m miles.rollout.encode_images",
-        "Encode a folder of images to latent records (data.jsonl + latents/) with the pipeline's VAE.",
-        ("image_dir", "folder of .png / .jpg / .webp images"),
+        "Encode a folder of images or video clips to latent records (data.jsonl + latents/) with the pipeline's VAE.",
+        ("image_dir", "folder of .png / .jpg / .webp images (a video family: .mp4 / .mkv / .webm / .mov clips)"),
         "output directory",
         batch_size=8,
         batch_help="images per encoder call",

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from miles.models.capabilities import ImageConditioned, supports
 from miles.rollout import offline_files
 from miles.rollout.data_source import jsonl_values
 from miles.rollout.offline_files import OfflineDataError
@@ -86,8 +87,14 @@ def write_prompt_cache(
     batch_size: int = 16,
     progress: bool | None = None,
     family_name: str | None = None,
+    condition_image_key: str = "condition_image",
 ) -> dict[str, Any]:
     """Encode every distinct prompt of ``prompts_path`` once with the pipeline's text encoder; write the cache.
+
+    An image-conditioned family (``qwen_image_edit``) encodes every distinct (prompt, reference image) pair, one
+    record at a time (references of different aspect ratios cannot share a batch), with
+    ``family.encode_conditioned``; its cond files carry the reference latents too, named by :func:`prompt_hash` of
+    the prompt and the image's pixels.
 
     Args:
         pipeline: a pipeline directory of any model family (its ``model_index.json`` picks the family).
@@ -103,6 +110,8 @@ def write_prompt_cache(
         progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
         family_name: a registered family name or a dotted path to a family class (the trainer's
             ``--diffusion-model-family``); None reads ``model_index.json``.
+        condition_image_key: an image-conditioned family's record key of the reference image (the trainer's
+            ``--condition-image-key``; paths relative to ``prompts_path``).
 
     Returns:
         the manifest written to ``prompt_cache.json``: ``{"pipeline", "family", "prompts", "cond_key",
@@ -111,7 +120,8 @@ def write_prompt_cache(
 
     Raises:
         OfflineDataError: for a missing or unsupported pipeline, a bad prompt file, an unwritable ``out_dir``, an
-            unknown dtype or a batch size below 1.
+            unknown dtype or a batch size below 1; for an image-conditioned family, a record without a readable
+            reference image.
     """
     from miles.models.base import encode_one_prompt
 
@@ -124,12 +134,21 @@ def write_prompt_cache(
     records = read_prompt_records(prompts_path, input_key)
     offline_files.ensure_writable_dir(out_dir, "cond")
 
-    distinct = list(dict.fromkeys(record[input_key] for record in records))
-    names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
     encoder = family.load_text_encoder(pipeline, device=device)
     store = DTYPES[dtype]
     shapes: dict[str, list[int]] = {}
-    for _, batch in offline_files.batches(distinct, batch_size, progress, "prompt", "encoding prompts"):
+    if supports(family, ImageConditioned):
+        keys, names = _encode_conditioned(
+            family, encoder, records, Path(prompts_path).parent, input_key, condition_image_key, out_dir, store, shapes
+        )
+        distinct = list(names)
+    else:
+        distinct = list(dict.fromkeys(record[input_key] for record in records))
+        keys = [record[input_key] for record in records]
+        names = {prompt: f"cond/{prompt_hash(prompt)}.safetensors" for prompt in distinct}
+    for _, batch in offline_files.batches(
+        [] if supports(family, ImageConditioned) else distinct, batch_size, progress, "prompt", "encoding prompts"
+    ):
         cond = family.encode_prompts(encoder, batch)
         for row, prompt in enumerate(batch):
             one = {key: value[row].to(store) for key, value in cond.items()}
@@ -144,7 +163,7 @@ def write_prompt_cache(
     )
     # prompts.jsonl last: a crash before it leaves no record that names a missing file.
     offline_files.write_records(
-        out_dir / "prompts.jsonl", [{**record, cond_key: names[record[input_key]]} for record in records]
+        out_dir / "prompts.jsonl", [{**record, cond_key: names[key]} for record, key in zip(records, keys)]
     )
     logger.info("cached %d distinct prompts of %d records in %s", len(distinct), len(records), out_dir)
     return offline_files.write_manifest(
@@ -160,6 +179,35 @@ def write_prompt_cache(
         count=len(distinct),
         records=len(records),
     )
+
+
+def _encode_conditioned(family, encoder, records, base_dir, input_key, image_key, out_dir, store, shapes):
+    """Encode each distinct (prompt, reference image) pair of an image-conditioned family's records once; returns
+    each record's key and ``{key: cond file name}``."""
+    from miles.rollout.data_source import load_image
+
+    keys, names = [], {}
+    for line, record in enumerate(records, start=1):
+        if image_key not in record:
+            raise OfflineDataError(
+                f"record {line} has no reference image under --condition-image-key {image_key!r}; the "
+                f"{family.name} family edits one"
+            )
+        try:
+            image = load_image(record[image_key], base_dir)
+        except (ValueError, FileNotFoundError) as exc:
+            raise OfflineDataError(f"record {line}: {exc}") from exc
+        digest = hashlib.sha256(str(tuple(image.shape)).encode() + image.numpy().tobytes()).hexdigest()
+        key = prompt_hash(record[input_key] + "\n" + digest)
+        keys.append(key)
+        if key in names:
+            continue
+        names[key] = f"cond/{key}.safetensors"
+        cond = family.encode_conditioned(encoder, [record[input_key]], [image])
+        one = {name: value[0].to(store) for name, value in cond.items()}
+        shapes.update(shapes or {name: list(value.shape) for name, value in one.items()})
+        offline_files.save_tensors(out_dir / names[key], one, {"prompt": record[input_key], "family": family.name})
+    return keys, names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", help="device of the text encoder (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="stored dtype (default: float32)")
+    parser.add_argument(
+        "--condition-image-key",
+        default="condition_image",
+        help="key of the reference image of an image-conditioned family (qwen_image_edit; default: condition_image)",
+    )
 
     def summary(manifest: dict, out: Path) -> str:
         return (
@@ -189,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{out}; train with --prompt-data {out / 'prompts.jsonl'} --negative-cond {out / 'negative.safetensors'}"
         )
 
-    options = ("input_key", "cond_key", "negative_prompt", "device", "dtype")
+    options = ("input_key", "cond_key", "negative_prompt", "device", "dtype", "condition_image_key")
     return offline_files.run_command(parser, argv, write_prompt_cache, options, summary)
 
 

@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsTracker", "METRICS_FILE", "drop_records_from", "read_metrics"]
+__all__ = ["MetricsTracker", "METRICS_FILE", "VIDEO_MEDIA_SUFFIXES", "drop_records_from", "read_metrics"]
 
 logger = logging.getLogger(__name__)
+
+# Media files sent to wandb as wandb.Video rather than wandb.Image (a video family's animations, miles.eval.video)
+VIDEO_MEDIA_SUFFIXES = (".gif", ".mp4", ".webm")
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -78,7 +81,9 @@ class MetricsTracker:
     def log(self, metrics: dict[str, Any], rollout_id: int, images: dict[str, str] | None = None) -> None:
         """Append one record for ``rollout_id``; values may be floats, ints or 0-d tensors.
 
-        ``images`` maps a key to a PNG path: the record stores the path, wandb receives the picture as media.
+        ``images`` maps a key to a PNG path, or a ``.gif`` / ``.mp4`` / ``.webm`` animation (a video family's eval,
+        :mod:`miles.eval.video`): the record stores the path, wandb receives the picture as media
+        (``wandb.Image``; ``wandb.Video`` for an animation).
         """
         record = {"job": self.job, "rollout_id": int(rollout_id), "time": round(time.time(), 3)}
         record.update({key: _to_number(value) for key, value in metrics.items()})
@@ -95,7 +100,14 @@ class MetricsTracker:
             if images:
                 import wandb
 
-                payload.update({key: wandb.Image(str(path)) for key, path in images.items()})
+                payload.update(
+                    {
+                        key: (wandb.Video if Path(path).suffix.lower() in VIDEO_MEDIA_SUFFIXES else wandb.Image)(
+                            str(path)
+                        )
+                        for key, path in images.items()
+                    }
+                )
             self._wandb_run.log(payload)
         # Records go to the file and wandb; the console shows the progress bar (--log-level DEBUG shows them too).
         logger.debug("%s rollout %d: %s", self.job, rollout_id, _format(metrics))

@@ -127,3 +127,26 @@ def test_the_eval_and_debug_grids_draw_each_clip_as_a_strip_of_its_frames(run):
     # 6 columns (x_i, the three x0, g, g_gan) of 16-pixel-wide strips at scale 64 // 16 = 4, one row per clip.
     debug = np.asarray(Image.open(eval_dir / "dmd2_debug_1.png"))
     assert debug.shape[1] > 6 * 4 * 16 and 4 * 4 * 8 < debug.shape[0] < 4 * 4 * 16
+
+
+def test_the_eval_and_debug_grids_also_play_as_animations_logged_beside_the_strips(run):
+    from PIL import ImageSequence
+
+    eval_dir = run["out"] / "eval"
+    [record] = [r for r in run["records"] if "eval/samples" in r]
+    assert record["eval/samples_video"] == str(eval_dir / "rollout_1.gif")
+    assert record["eval/dmd2_debug_video"] == str(eval_dir / "dmd2_debug_1.gif")
+    grid = np.asarray(Image.open(eval_dir / "rollout_1.png"))
+    with Image.open(eval_dir / "rollout_1.gif") as gif:
+        frames = [np.asarray(frame.convert("RGB")) for frame in ImageSequence.Iterator(gif)]
+    # 2 latent frames (no codec: drawn as they are), each at the strip's scale 3: frame f is every clip's frame f
+    assert len(frames) == 2 and frames[0].shape == (4 + 3 * 8 + 4, 4 + 4 * (3 * 8 + 4), 3)
+    strip_cells = grid[4 : 4 + 24].reshape(24, -1, 3)
+    for f, frame in enumerate(frames):
+        for clip in range(4):
+            left = 4 + clip * (3 * 16 + 4) + f * 24
+            # the GIF's palette may merge near colours of the raw-latent pixels: compare within a few levels
+            cell = frame[4:28, 4 + clip * 28 : 4 + clip * 28 + 24].astype(int)
+            assert np.abs(cell - strip_cells[:, left : left + 24].astype(int)).mean() < 8, (f, clip)
+    with Image.open(eval_dir / "dmd2_debug_1.gif") as gif:
+        assert gif.n_frames == 2

@@ -12,6 +12,13 @@ describes what each pipeline does with them.
 from tests.support.tiny_pipelines.flux import write_tiny_flux
 from tests.support.tiny_pipelines.flux2 import write_tiny_flux2_klein
 from tests.support.tiny_pipelines.qwen_image import write_tiny_qwen_image
+from tests.support.tiny_pipelines.qwen_image_edit import write_tiny_qwen_image_edit
 from tests.support.tiny_pipelines.wan import write_tiny_wan
 
-__all__ = ["write_tiny_flux", "write_tiny_flux2_klein", "write_tiny_qwen_image", "write_tiny_wan"]
+__all__ = [
+    "write_tiny_flux",
+    "write_tiny_flux2_klein",
+    "write_tiny_qwen_image",
+    "write_tiny_qwen_image_edit",
+    "write_tiny_wan",
+]
