@@ -105,6 +105,19 @@ def test_two_ranks_hold_the_torch_chunk_shards_of_every_parameter():
     assert per_rank[0].optimizer < whole.optimizer and per_rank[0].gathered_train == 2 * whole.parameters
 
 
+def test_context_parallel_shards_over_dp_times_cp_and_splits_the_activations_of_the_image_tokens():
+    """--context-parallel-size 2 at DP 1: FSDP shards over both ranks (as DP 2 without CP) and each rank keeps the
+    activations of half the image tokens (as a sample of 8 image tokens; the 8 text tokens are not split)."""
+    spec = GroupSpec("actor", TINY_SD3)
+    cp = plan_group(spec, _setting(1, torch.float32, 16, 8, context_parallel=2))
+    dp = plan_group(spec, _setting(2, torch.float32, 16, 8))
+    half = plan_group(spec, _setting(2, torch.float32, 8, 8))
+    assert (cp.parameters, cp.optimizer, cp.gathered_train) == (dp.parameters, dp.optimizer, dp.gathered_train)
+    assert cp.activations == half.activations
+    assert cp.activations.peak < dp.activations.peak
+    assert _setting(3, torch.float32, 16, 8, context_parallel=2).shard_ranks == 6
+
+
 def test_zero3_gathers_less_than_the_whole_model_and_checkpointing_keeps_fewer_activations():
     deeper = {**TINY_SD3, "num_layers": 4}  # with two blocks, "two at a time" is the whole model
     spec = GroupSpec("critic", deeper, teacher=deeper)

@@ -175,3 +175,30 @@ def test_a_family_without_a_cp_plan_or_an_indivisible_sequence_is_refused_in_one
     check_context_parallel(WanTransformer3DModel, 8, 2, 2)
     check_context_parallel(SD3Transformer2DModel, 7, 3, 1)  # no CP: nothing to check
     assert enable_context_parallel(torch.nn.Linear(2, 2), None) is None
+
+
+def test_the_preflight_refuses_a_denoiser_diffusers_cannot_split_naming_the_flag_and_the_pipeline(pipeline, tmp_path):
+    """Before Ray starts: the digits pipeline (an SD3 transformer, no ``_cp_plan``) and a CP size that does not divide
+    the tiny Wan's 2 heads are refused in one line; the tiny Wan at CP 2 passes."""
+    from types import SimpleNamespace
+
+    from miles.driver.preflight_models import check_context_parallel as preflight
+    from miles.utils.validation import ArgumentValidationError
+    from tests.support.trainer import make_pipeline
+
+    digits = str(make_pipeline(tmp_path / "digits"))
+    args = SimpleNamespace(diffusion_model_family=None, context_parallel_size=2)
+    with pytest.raises(ArgumentValidationError) as refused:
+        preflight(args, [("--hf-checkpoint", digits)])
+    assert str(refused.value) == (
+        f"--hf-checkpoint {digits}: --context-parallel-size 2: SD3Transformer2DModel has no context-parallel plan in "
+        "diffusers (_cp_plan); use a family that has one (Wan, FLUX, FLUX.2, Qwen-Image) or --context-parallel-size 1"
+    )
+    preflight(args, [("--hf-checkpoint", pipeline), ("--teacher-load", pipeline)])
+    args.context_parallel_size = 4
+    with pytest.raises(
+        ArgumentValidationError, match=r"--teacher-load .*: --context-parallel-size 4 must divide the "
+    ):
+        preflight(args, [("--teacher-load", pipeline)])
+    args.context_parallel_size = 1
+    preflight(args, [("--hf-checkpoint", digits)])  # without CP nothing is read
