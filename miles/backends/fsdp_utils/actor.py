@@ -160,7 +160,9 @@ class FSDPTrainRayActor:
                 options["cp_mesh"] = cp_mesh
             self.trainer = trainer_class(spec, self.family, mesh=mesh, **options)
         else:
-            self.trainer = FrozenGroupRunner(spec, self.family, **options)
+            self.trainer = FrozenGroupRunner(
+                spec, self.family, context_parallel_size=run.context_parallel_size, **options
+            )
         self._generator: RolloutGenerator | None = None
         # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
         self._generated: tuple[int, str, list[TrainPair]] | None = None
