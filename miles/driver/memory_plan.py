@@ -157,7 +157,8 @@ class PlanSetting:
 
     ``context_parallel`` (``--context-parallel-size``): FSDP shards over ``dp_size × context_parallel`` ranks
     (:attr:`shard_ranks`), and each rank's activations are those of ``image_tokens / context_parallel`` image tokens
-    (Ulysses splits the sequence; the text tokens are not split)."""
+    (Ulysses splits the sequence) and of the text tokens, split too where the class's ``_cp_plan`` splits them
+    (FLUX, FLUX.2, Qwen-Image; not Wan)."""
 
     dp_size: int
     compute_dtype: torch.dtype
@@ -271,11 +272,14 @@ def _buffer_bytes(model: nn.Module, compute_dtype: torch.dtype) -> int:
 
 
 def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
-    """The bytes DP rank ``setting.rank`` of group ``spec`` holds, from its configs on the meta device.
+    """The bytes rank ``setting.rank`` (of the ``setting.shard_ranks`` FSDP ranks) of group ``spec`` holds, from its
+    configs on the meta device.
 
     Raises:
         ValueError: for a config diffusers cannot build, or a LoRA target list that matches nothing.
     """
+    from miles.backends.fsdp_utils.context_parallel import splits_text
+
     dp, rank = setting.shard_ranks, setting.rank
     model = meta_denoiser(spec.config)
     if spec.lora is not None:
@@ -320,7 +324,7 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     activations = activation_estimate(
         setting.family.activation_layout(full_config(model)),
         setting.image_tokens // setting.context_parallel,
-        setting.text_tokens,
+        setting.text_tokens // (setting.context_parallel if splits_text(type(model)) else 1),
         spec.batch,
         c,
         setting.gradient_checkpointing,

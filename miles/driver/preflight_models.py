@@ -174,8 +174,8 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
 
 def check_context_parallel(args: argparse.Namespace, pipelines: list[tuple[str, str]]) -> None:
     """With ``--context-parallel-size`` > 1, every group's denoiser (the frozen teacher too) has diffusers'
-    ``_cp_plan`` (Wan, FLUX, FLUX.2, Qwen-Image; not SD3 nor the digits model) and one sample's image/video tokens
-    and its attention heads divide by it (:func:`miles.backends.fsdp_utils.context_parallel.check_context_parallel`).
+    ``_cp_plan`` (Wan, FLUX, FLUX.2, Qwen-Image; not SD3 nor the digits model) and one sample's image/video tokens,
+    its text tokens where the plan splits them and its attention heads divide by it (:func:`miles.backends.fsdp_utils.context_parallel.check_context_parallel`).
 
     Raises:
         ArgumentValidationError: one line naming the flag, the pipeline and the figure.
@@ -191,9 +191,9 @@ def check_context_parallel(args: argparse.Namespace, pipelines: list[tuple[str, 
     for label, path in pipelines:
         family = get_model_family(path, args.diffusion_model_family)
         config = json.loads((Path(path) / DENOISER / "config.json").read_text())
-        tokens = family.tokens_per_sample(path)[0] if hasattr(family, "tokens_per_sample") else 0
+        image, text = family.tokens_per_sample(path) if hasattr(family, "tokens_per_sample") else (0, None)
         try:
-            check(model_class_of(config), tokens, heads_of(config), cp)
+            check(model_class_of(config), image, heads_of(config), cp, text)
         except ValueError as exc:
             reject(f"{label} {path}: {exc}")
 

@@ -36,6 +36,7 @@ __all__ = [
     "enable_context_parallel",
     "heads_of",
     "model_class_of",
+    "splits_text",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,14 +79,25 @@ def cp_plan_of(model_class: type) -> dict | None:
     return getattr(model_class, "_cp_plan", None)
 
 
-def check_context_parallel(model_class: type, image_tokens: int, num_heads: int, cp: int) -> None:
+def splits_text(model_class: type) -> bool:
+    """Whether the class's ``_cp_plan`` splits the text tokens too (``encoder_hidden_states``: FLUX, FLUX.2,
+    Qwen-Image) or only the image/video tokens (Wan)."""
+    plan = cp_plan_of(model_class) or {}
+    return any(isinstance(entry, dict) and "encoder_hidden_states" in entry for entry in plan.values())
+
+
+def check_context_parallel(
+    model_class: type, image_tokens: int, num_heads: int, cp: int, text_tokens: int | None = None
+) -> None:
     """Refuse a CP size the denoiser cannot run, in one line naming the flag.
 
     Args:
         model_class: the denoiser's diffusers class (``transformer/config.json``'s ``_class_name``).
-        image_tokens: image/video tokens of one sample (the split sequence; text tokens are not split).
+        image_tokens: image/video tokens of one sample (the sequence every ``_cp_plan`` splits).
         num_heads: attention heads (Ulysses gives each CP rank ``num_heads / cp`` of them).
         cp: ``--context-parallel-size``.
+        text_tokens: text tokens of one prompt, checked when the plan splits them too (:func:`splits_text`); None
+            leaves them unchecked.
 
     Raises:
         ValueError: for a class without a ``_cp_plan``, or a token or head count that ``cp`` does not divide.
@@ -101,6 +113,11 @@ def check_context_parallel(model_class: type, image_tokens: int, num_heads: int,
         raise ValueError(
             f"{FLAG} {cp} must divide the sequence length: one sample has {image_tokens} image tokens; change the "
             "resolution or frame count, or the flag"
+        )
+    if text_tokens is not None and splits_text(model_class) and text_tokens % cp:
+        raise ValueError(
+            f"{FLAG} {cp} must divide the text sequence too ({model_class.__name__} splits it): one prompt has "
+            f"{text_tokens} text tokens"
         )
     if num_heads % cp:
         raise ValueError(f"{FLAG} {cp} must divide the denoiser's {num_heads} attention heads (Ulysses splits them)")
@@ -176,5 +193,5 @@ def check_pipeline(family: Any, path: str, cp: int) -> None:
     if cp == 1:
         return
     config = family.transformer_config(path)
-    image_tokens, _ = family.tokens_per_sample(path)
-    check_context_parallel(model_class_of(config), image_tokens, heads_of(config), cp)
+    image_tokens, text_tokens = family.tokens_per_sample(path)
+    check_context_parallel(model_class_of(config), image_tokens, heads_of(config), cp, text_tokens)

@@ -22,6 +22,7 @@ from miles.backends.fsdp_utils.context_parallel import (
     check_context_parallel,
     dp_rank_of,
     enable_context_parallel,
+    splits_text,
 )
 from miles.backends.fsdp_utils.loss_hub.sft import sft_loss_formula
 from miles.utils.misc import make_generator
@@ -172,7 +173,15 @@ def test_a_family_without_a_cp_plan_or_an_indivisible_sequence_is_refused_in_one
         check_context_parallel(WanTransformer3DModel, 6, 4, 4)
     with pytest.raises(ValueError, match=r"--context-parallel-size 4 must divide the denoiser's 2 attention heads"):
         check_context_parallel(WanTransformer3DModel, 8, 2, 4)
-    check_context_parallel(WanTransformer3DModel, 8, 2, 2)
+    check_context_parallel(WanTransformer3DModel, 8, 2, 2, text_tokens=7)  # Wan's plan leaves the text whole
+    from diffusers import FluxTransformer2DModel
+
+    with pytest.raises(
+        ValueError, match=r"must divide the text sequence too \(FluxTransformer2DModel splits it\): one "
+    ):
+        check_context_parallel(FluxTransformer2DModel, 8, 2, 2, text_tokens=7)
+    check_context_parallel(FluxTransformer2DModel, 8, 2, 2, text_tokens=512)
+    assert splits_text(FluxTransformer2DModel) and not splits_text(WanTransformer3DModel)
     check_context_parallel(SD3Transformer2DModel, 7, 3, 1)  # no CP: nothing to check
     assert enable_context_parallel(torch.nn.Linear(2, 2), None) is None
 
