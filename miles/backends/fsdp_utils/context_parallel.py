@@ -168,7 +168,7 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh | None, fsdp_r
     if fsdp_ranks is not None:
         for module in base.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(float(fsdp_ranks // cp))
+                module.set_gradient_divide_factor(float(max(fsdp_ranks // cp, 1)))
                 # A sum-only reduce-scatter with the division before and after it: gloo has no PREMUL_SUM, and one
                 # path on CPU and GPU is the one the CPU tests check (one extra scaling of the shards).
                 module.set_force_sum_reduction_for_comms(True)
