@@ -329,7 +329,9 @@ class RunSpec:
         args: the parsed command line, handed to the hooks only (their documented signatures take it).
         engine: the student's sampler (:class:`EngineSpec`).
         groups: the trainer groups in training order; the actor is one of them.
-        dp_size: every group's data-parallel size.
+        dp_size: every group's data-parallel size (its ranks over ``context_parallel_size``).
+        context_parallel_size: ranks that split one sample's sequence (``--context-parallel-size``; Ulysses through
+            diffusers, :mod:`miles.backends.fsdp_utils.context_parallel`).
         export: the end-of-run export.
         profile: the profiled rollouts, or None.
         log_level: the workers' Python logging level.
@@ -341,6 +343,7 @@ class RunSpec:
     engine: EngineSpec
     groups: tuple[GroupSpec, ...]
     dp_size: int = 1
+    context_parallel_size: int = 1
     export: ExportSpec = field(default_factory=ExportSpec)
     profile: ProfileSpec | None = None
     log_level: str = "INFO"

@@ -55,7 +55,15 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--actor-num-gpus-per-node",
         type=int,
         default=1,
-        help="Trainer ranks per node: GPUs with CUDA, CPU ranks without. DP size = nodes x this.",
+        help="Trainer ranks per node: GPUs with CUDA, CPU ranks without. DP size = nodes x this / --context-parallel-size.",
+    )
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split one sample's sequence (Ulysses context parallelism through diffusers' "
+        "ContextParallelConfig; Wan, FLUX, FLUX.2, Qwen-Image). DP size = trainer ranks / this; FSDP shards over "
+        "all ranks. The image/video token count and the head count must divide by it.",
     )
     group.add_argument(
         "--rollout-num-gpus",

@@ -12,7 +12,7 @@ small for the command becomes a hang.
 import argparse
 import socket
 
-from miles.utils.validation import dp_size, reject
+from miles.utils.validation import reject, trainer_ranks
 
 __all__ = ["CONNECT_TIMEOUT_S", "check_cluster_fits", "check_ray_address", "required_resources"]
 
@@ -53,7 +53,7 @@ def check_ray_address(address: str | None, flag: str = "--ray-address", connect:
 def required_resources(args: argparse.Namespace, cpus_per_rank: int, use_gpu: bool) -> dict[str, float]:
     """What the run's placement groups reserve in all: one bundle per trainer rank and per engine replica, each
     ``cpus_per_rank`` CPUs (and one GPU on a GPU cluster)."""
-    bundles = dp_size(args) + (args.rollout_num_gpus or 0)
+    bundles = trainer_ranks(args) + (args.rollout_num_gpus or 0)
     needs = {"CPU": float(bundles * cpus_per_rank)}
     if use_gpu:
         needs["GPU"] = float(bundles)
@@ -76,7 +76,7 @@ def check_cluster_fits(args: argparse.Namespace) -> None:
     short = {name: need for name, need in needs.items() if need > have.get(name, 0.0)}
     if not short:
         return
-    bundles = dp_size(args) + (args.rollout_num_gpus or 0)
+    bundles = trainer_ranks(args) + (args.rollout_num_gpus or 0)
     asked = ", ".join(f"{need:g} {name}" for name, need in needs.items())
     held = ", ".join(f"{have.get(name, 0.0):g} {name}" for name in needs)
     reject(

@@ -157,7 +157,12 @@ class GroupSpec:
 class PlanSetting:
     """What every group of a run shares: DP size, compute dtype, the model family (its activation layout) and its
     tokens per sample, the memory knobs, the trainer ranks per node and whether the run resumes (``--load``: the
-    optimizer state then loads at start-up)."""
+    optimizer state then loads at start-up).
+
+    ``context_parallel`` (``--context-parallel-size``): FSDP shards over ``dp_size × context_parallel`` ranks
+    (:attr:`shard_ranks`), and each rank's activations are those of ``image_tokens / context_parallel`` image tokens
+    (Ulysses splits the sequence) and of the text tokens, split too where the class's ``_cp_plan`` splits them
+    (FLUX, FLUX.2, Qwen-Image; not Wan)."""
 
     dp_size: int
     compute_dtype: torch.dtype
@@ -168,7 +173,13 @@ class PlanSetting:
     rank: int = 0
     ranks_per_node: int = 1
     resume: bool = False
+    context_parallel: int = 1
     family: MemoryLayout = field(kw_only=True)
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP shards over: DP × CP."""
+        return self.dp_size * self.context_parallel
 
 
 @dataclass(frozen=True)
@@ -243,7 +254,7 @@ def _gathered(
     # Gradients of a window: float32 unsharded (FSDP2 accumulates in the reduce dtype) + the micro-batch's own.
     grad_bytes = MASTER_BYTES + (c if c != MASTER_BYTES else 0)
     trainable = extra_numel + sum(p.numel() for p in model.parameters() if id(p) in trainable_ids)
-    if setting.dp_size == 1:
+    if setting.shard_ranks == 1:
         # Unsharded: autocast caches a compute-dtype copy of each float32 trainable until the backward.
         return (trainable * c if c != MASTER_BYTES else 0), 0
     teacher_numel = sum(p.numel() for teacher in teachers for p in teacher.parameters())
@@ -266,12 +277,15 @@ def _buffer_bytes(model: nn.Module, compute_dtype: torch.dtype) -> int:
 
 
 def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
-    """The bytes DP rank ``setting.rank`` of group ``spec`` holds, from its configs on the meta device.
+    """The bytes rank ``setting.rank`` (of the ``setting.shard_ranks`` FSDP ranks) of group ``spec`` holds, from its
+    configs on the meta device.
 
     Raises:
         ValueError: for a config diffusers cannot build, or a LoRA target list that matches nothing.
     """
-    dp, rank = setting.dp_size, setting.rank
+    from miles.backends.fsdp_utils.context_parallel import splits_text
+
+    dp, rank = setting.shard_ranks, setting.rank
     model = meta_denoiser(spec.config)
     if spec.lora is not None:
         add_lora_adapter(model, spec.role, spec.lora.rank, target_modules=spec.lora.target_modules)
@@ -317,8 +331,8 @@ def plan_group(spec: GroupSpec, setting: PlanSetting) -> GroupMemory:
     startup += host_built  # held twice for a moment: buffers across to_empty, adapters and built modules unsharded
     activations = activation_estimate(
         setting.family.activation_layout(full_config(model)),
-        setting.image_tokens,
-        setting.text_tokens,
+        setting.image_tokens // setting.context_parallel,
+        setting.text_tokens // (setting.context_parallel if splits_text(type(model)) else 1),
         spec.batch,
         c,
         setting.gradient_checkpointing,
@@ -389,7 +403,7 @@ def plan_run(
     from miles.models import get_model_family, require
     from miles.models.base import DENOISER
     from miles.models.memory import transformer_config
-    from miles.utils.validation import dp_size
+    from miles.utils.validation import context_parallel_size, dp_size
 
     method = get_method(args)
     family = get_model_family(args.hf_checkpoint, args.diffusion_model_family)
@@ -404,6 +418,7 @@ def plan_run(
         reshard_every_microbatch=args.fsdp_reshard_every_microbatch,
         ranks_per_node=args.actor_num_gpus_per_node,
         resume=bool(args.load),
+        context_parallel=context_parallel_size(args),
         family=family,
     )
     plans = []
@@ -446,8 +461,13 @@ def gpu_memory_bytes(args) -> float | None:
 def memory_table(setting: PlanSetting, plans: list[GroupMemory], gpu_bytes: float | None = None) -> list[str]:
     """The plan as text lines: a header, one row per group, the fit verdict when ``gpu_bytes`` is given."""
     mode = "unsharded (1 rank)"
-    if setting.dp_size > 1:
+    if setting.shard_ranks > 1:
         mode = "ZeRO-3 per block" if setting.reshard_every_microbatch else "ZeRO-2-like (whole models per phase)"
+    if setting.context_parallel > 1:
+        mode += (
+            f", context parallel {setting.context_parallel} (FSDP over {setting.shard_ranks} ranks, "
+            f"{setting.image_tokens // setting.context_parallel} image tokens per rank)"
+        )
     dtype = str(setting.compute_dtype).removeprefix("torch.")
     lines = [
         f"memory per GPU, DP rank {setting.rank} of {setting.dp_size}: {dtype} compute, {setting.image_tokens} image "

@@ -18,7 +18,7 @@ from miles.driver.validators import group_layout
 from miles.driver.work import work_per_rank
 from miles.methods import get_method
 from miles.utils.profiling import profile_dir
-from miles.utils.validation import dp_size, rollout_pairs
+from miles.utils.validation import context_parallel_size, dp_size, rollout_pairs, trainer_ranks
 
 __all__ = ["HOOK_FLAGS", "LARGE_EVAL_IMAGES", "groups_table", "log_eval_plan", "log_plan", "work_per_rank"]
 
@@ -43,12 +43,21 @@ def log_plan(args, run: RunSpec | None = None) -> None:
     ranks = dp_size(args)
     bundle = "{GPU: 1, CPU: c}" if use_gpu else "{CPU: c}"
     logger.info(
-        "placement: %d bundles of %s (one per DP rank; c = --num-cpus-per-rank or a node's CPUs / its ranks); the "
-        "%d trainer groups share them, one group at a time",
-        ranks,
+        "placement: %d bundles of %s (one per trainer rank; c = --num-cpus-per-rank or a node's CPUs / its ranks); "
+        "the %d trainer groups share them, one group at a time",
+        trainer_ranks(args),
         bundle,
         len(configs),
     )
+    cp = context_parallel_size(args)
+    if cp > 1:
+        logger.info(
+            "context parallel: %d DP ranks x %d Ulysses ranks; FSDP shards over all %d, each CP group shares one "
+            "sample's sequence",
+            ranks,
+            cp,
+            trainer_ranks(args),
+        )
     if args.train_only:
         readers = (
             f"each of the {args.rollout_num_gpus} engine replicas" if args.rollout_num_gpus else "each actor rank"

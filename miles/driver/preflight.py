@@ -128,7 +128,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserH
     - with ``check_paths``: every group's init and teacher (``--hf-checkpoint``, ``--teacher-load``, the critic's
       ``--critic-load``) are pipeline directories of one family whose denoisers take the student's latents and
       prompt encodings, with readable, finite safetensors weights, and guidance scales
-      the pipelines can take (``preflight_models``);
+      the pipelines can take, and with ``--context-parallel-size`` denoisers diffusers can split (``preflight_models``);
       ``--prompt-data`` (and ``--eval-prompt-data`` with ``--eval-interval``, the GAN's ``--dmd2-gan-real-data``)
       are JSONL files whose records carry ``--input-key`` (errors name the file and line), and with
       ``--train-only`` every record has an image under ``--image-key`` (images written into the JSONL are loaded
@@ -185,6 +185,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserH
     for label, path in pipelines:
         _check_pipeline(label, path, args.diffusion_model_family)
     preflight_models.check_compatible(args, pipelines)
+    preflight_models.check_context_parallel(args, pipelines)
     preflight_models.check_guidance(args)
     for label, path in pipelines:
         preflight_models.check_weights(label, path)

@@ -14,7 +14,14 @@ from pathlib import Path
 from miles.models.base import DENOISER
 from miles.utils.validation import reject
 
-__all__ = ["check_compatible", "check_guidance", "check_weights", "denoiser_numel", "safetensors_header"]
+__all__ = [
+    "check_compatible",
+    "check_context_parallel",
+    "check_guidance",
+    "check_weights",
+    "denoiser_numel",
+    "safetensors_header",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +170,32 @@ def check_compatible(args: argparse.Namespace, pipelines: list[tuple[str, str]])
                     f"{other_flag} {other} does not fit {student_flag} {student}: {label} {value} vs "
                     f"{reference.get(label)}; it must take the student's latents and prompt encodings"
                 )
+
+
+def check_context_parallel(args: argparse.Namespace, pipelines: list[tuple[str, str]]) -> None:
+    """With ``--context-parallel-size`` > 1, every group's denoiser (the frozen teacher too) has diffusers'
+    ``_cp_plan`` (Wan, FLUX, FLUX.2, Qwen-Image; not SD3 nor the digits model) and one sample's image/video tokens,
+    its text tokens where the plan splits them and its attention heads divide by it (:func:`miles.backends.fsdp_utils.context_parallel.check_context_parallel`).
+
+    Raises:
+        ArgumentValidationError: one line naming the flag, the pipeline and the figure.
+    """
+    from miles.backends.fsdp_utils.context_parallel import check_context_parallel as check
+    from miles.backends.fsdp_utils.context_parallel import heads_of, model_class_of
+    from miles.models import get_model_family
+    from miles.utils.validation import context_parallel_size
+
+    cp = context_parallel_size(args)
+    if cp == 1:
+        return
+    for label, path in pipelines:
+        family = get_model_family(path, args.diffusion_model_family)
+        config = json.loads((Path(path) / DENOISER / "config.json").read_text())
+        image, text = family.tokens_per_sample(path) if hasattr(family, "tokens_per_sample") else (0, None)
+        try:
+            check(model_class_of(config), image, heads_of(config), cp, text)
+        except ValueError as exc:
+            reject(f"{label} {path}: {exc}")
 
 
 def check_guidance(args: argparse.Namespace) -> None:

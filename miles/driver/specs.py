@@ -17,7 +17,7 @@ from miles.config import DataSpec, EngineSpec, ExportSpec, GroupHooks, ProfileSp
 from miles.methods import get_method
 from miles.utils.misc import load_function
 from miles.utils.profiling import profile_dir
-from miles.utils.validation import dp_size, flag, reject
+from miles.utils.validation import context_parallel_size, dp_size, flag, reject
 
 __all__ = ["build_run_spec", "hook_flags", "resolve_hooks"]
 
@@ -164,6 +164,7 @@ def build_run_spec(args: argparse.Namespace, hooks: UserHooks | None = None) -> 
         engine=engine_spec(args, hooks, family),
         groups=tuple(get_method(args).groups(args, hooks)),
         dp_size=dp_size(args),
+        context_parallel_size=context_parallel_size(args),
         export=ExportSpec(path=args.save_hf, overwrite=args.overwrite_save_hf, save_lora=args.save_hf_lora),
         profile=profile,
         log_level=args.log_level,

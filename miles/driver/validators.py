@@ -14,7 +14,15 @@ from miles.config import GroupSpec, UserHooks
 from miles.driver.cluster import check_ray_address
 from miles.methods import METHODS, get_method
 from miles.utils.paths import check_export_target
-from miles.utils.validation import check_number, dp_size, flag, reject, rollout_pairs
+from miles.utils.validation import (
+    check_number,
+    context_parallel_size,
+    dp_size,
+    flag,
+    reject,
+    rollout_pairs,
+    trainer_ranks,
+)
 
 __all__ = [
     "NUMBER_RULES",
@@ -46,6 +54,28 @@ def method_flag_dests() -> dict[str, set[str]]:
     return {name: set(defaults) for name, defaults in _method_flag_defaults().items()}
 
 
+def validate_context_parallel_args(args: argparse.Namespace) -> None:
+    """``--context-parallel-size``: a positive divisor of the trainer ranks, with the actor ranks generating (the
+    engine replicas of ``--rollout-num-gpus`` sample whole sequences each). The model's side (a ``_cp_plan``, a token
+    and head count it divides) is checked on the pipeline (:func:`miles.driver.preflight.validate_inputs`)."""
+    cp = context_parallel_size(args)
+    if cp < 1:
+        reject(f"--context-parallel-size must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    ranks = trainer_ranks(args)
+    if ranks % cp:
+        reject(
+            f"--context-parallel-size {cp} must divide the trainer ranks (--actor-num-nodes x "
+            f"--actor-num-gpus-per-node = {ranks}); DP size = ranks / context-parallel size"
+        )
+    if args.rollout_num_gpus:
+        reject(
+            f"--context-parallel-size {cp} needs the actor ranks to generate (--rollout-num-gpus 0): engine replicas "
+            "sample without context parallelism"
+        )
+
+
 def validate_batch_args(args: argparse.Namespace) -> None:
     """Reject batch sizes that do not split exactly: nothing is ever dropped silently."""
     for name, value in (
@@ -66,6 +96,7 @@ def validate_batch_args(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             reject(f"{name} must be >= 1, got {value}")
+    validate_context_parallel_args(args)
     total = rollout_pairs(args)
     if args.global_batch_size is None or args.global_batch_size * args.num_steps_per_rollout != total:
         if total % args.num_steps_per_rollout == 0:
@@ -81,7 +112,8 @@ def validate_batch_args(args: argparse.Namespace) -> None:
     if args.rollout_batch_size % dp_size(args):
         reject(
             f"--rollout-batch-size {args.rollout_batch_size} must be a multiple of the DP size {dp_size(args)} "
-            "(--actor-num-nodes x --actor-num-gpus-per-node): every rank generates an equal share of the prompts"
+            "(--actor-num-nodes x --actor-num-gpus-per-node / --context-parallel-size): every rank generates an "
+            "equal share of the prompts"
         )
     if args.rollout_num_gpus and dp_size(args) % args.rollout_num_gpus:
         reject(

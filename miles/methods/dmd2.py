@@ -60,7 +60,7 @@ from miles.rollout import step_strategy_hub
 from miles.utils.flags import add_dataclass_arguments, check_fields
 from miles.utils.paths import sibling_dir
 from miles.utils.types import SideInput
-from miles.utils.validation import dp_size, reject, rollout_pairs
+from miles.utils.validation import context_parallel_size, dp_size, reject, rollout_pairs
 
 __all__ = [
     "DMD2Method",
@@ -220,6 +220,12 @@ def validate_dmd2_args(args: argparse.Namespace) -> None:
             reject(f"--dmd2-gan-feature-blocks holds {block}; block indices are >= 0")
     if s.gan_real_data and not s.gan_enabled:
         reject("--dmd2-gan-real-data is read by the GAN head only: set --dmd2-gan-disc-weight > 0, or remove it")
+    if s.gan_enabled and context_parallel_size(args) > 1:
+        # Under context parallelism each rank's tapped block features hold its own part of the sequence only.
+        reject(
+            f"--dmd2-gan-disc-weight > 0 with --context-parallel-size {context_parallel_size(args)}: the GAN head "
+            "reads block features that context parallelism splits over the ranks; use --context-parallel-size 1"
+        )
     _validate_scoring_sigma(s)
     # A range between two grid points is valid on its own and empty on the grid: found here, not in a rank.
     grid = sft_loss.trainer_flow_grid(args)

@@ -20,7 +20,7 @@ from miles.config import RunSpec
 from miles.ray.errors import get_all
 from miles.utils.types import Box, PromptShard, SideRecords, TrainPair
 
-__all__ = ["RayTrainGroup", "split_shard", "evaluate_on"]
+__all__ = ["RayTrainGroup", "evaluate_on", "per_rank", "split_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,19 @@ def split_shard(shard: PromptShard, parts: int) -> tuple[list[PromptShard], int]
     return shards, pad
 
 
-def evaluate_on(workers: list, shard: PromptShard, **kwargs: Any) -> torch.Tensor:
+def per_rank(values: list, cp: int) -> list:
+    """One value per DP rank → one per trainer rank: the ``cp`` consecutive ranks of a context-parallel group
+    (:mod:`miles.backends.fsdp_utils.context_parallel`) get their DP rank's value."""
+    return [value for value in values for _ in range(cp)]
+
+
+def evaluate_on(workers: list, shard: PromptShard, cp: int = 1, **kwargs: Any) -> torch.Tensor:
     """Sample ``shard`` split over ``workers`` (actor ranks or engine replicas, each with ``evaluate``): uint8
-    images ``(B, H, W, C)`` in the shard's order."""
-    shards, pad = split_shard(shard, len(workers))
-    images = torch.cat(ray.get([worker.evaluate.remote(part, **kwargs) for worker, part in zip(workers, shards)]))
+    images ``(B, H, W, C)`` in the shard's order. With context parallelism (``cp`` > 1) the ``cp`` ranks of a CP
+    group sample the same part together and the first one's images count."""
+    shards, pad = split_shard(shard, len(workers) // cp)
+    refs = [worker.evaluate.remote(part, **kwargs) for worker, part in zip(workers, per_rank(shards, cp))]
+    images = torch.cat(ray.get(refs)[::cp])
     return images[: len(images) - pad] if pad else images
 
 
@@ -98,6 +106,9 @@ class RayTrainGroup:
         self.run, self.spec = run, run.group(role)
         self.role = role
         self.world_size = num_nodes * num_gpus_per_node
+        # Context parallelism: runs of cp consecutive ranks share one DP rank's data (per_rank).
+        self.cp = run.context_parallel_size
+        self.dp_size = self.world_size // self.cp
         self.num_threads = num_threads
         # Set by create_training_models from async_init: 0, or the loaded checkpoint's rollout + 1.
         self.start_rollout_id = 0
@@ -168,15 +179,19 @@ class RayTrainGroup:
             raise ValueError(f"{self.role} group has {self.world_size} ranks but got {len(values)} {what}")
 
     def async_generate(self, rollout_id: int, shard_boxes: list[Box]) -> list[ray.ObjectRef]:
-        """Rank i generates and converts ``shard_boxes[i]``; each ref resolves to its ``RolloutResult``."""
-        self._check_per_rank("prompt shards", shard_boxes)
+        """Rank i generates and converts ``shard_boxes[i // cp]`` (one box per DP rank: the ranks of a
+        context-parallel group generate their shard together); one ref per rank, each resolving to its
+        ``RolloutResult``."""
+        if len(shard_boxes) != self.dp_size:
+            raise ValueError(f"{self.role} group has {self.dp_size} DP ranks but got {len(shard_boxes)} prompt shards")
         self._take_turn()
-        return [actor.generate.remote(rollout_id, box) for actor, box in zip(self.actors, shard_boxes)]
+        boxes = per_rank(shard_boxes, self.cp)
+        return [actor.generate.remote(rollout_id, box) for actor, box in zip(self.actors, boxes)]
 
     def evaluate(self, shard: PromptShard, **kwargs: Any) -> torch.Tensor:
-        """Sample ``shard`` with the student, split over the ranks: uint8 images ``(B, H, W, C)`` in order."""
+        """Sample ``shard`` with the student, split over the DP ranks: uint8 images ``(B, H, W, C)`` in order."""
         self._take_turn()
-        return evaluate_on(self.actors, shard, **kwargs)
+        return evaluate_on(self.actors, shard, self.cp, **kwargs)
 
     def async_train(
         self, rollout_id: int, pairs_boxes: list[Box], external_data: dict[str, list[Box]] | None = None
@@ -214,28 +229,29 @@ class RayTrainGroup:
 
     # -- an evaluation's probes: put, split, call and get dispatched here once --------------------------------------
     def generate_shard(self, rollout_id: int | str, shard: PromptShard) -> tuple[list[Box], int]:
-        """Generate and convert ``shard`` split over the ranks (:func:`split_shard`; no training): one box of train
-        pairs per rank, and the pad count (the last pairs of the last rank repeat its last sample).
+        """Generate and convert ``shard`` split over the DP ranks (:func:`split_shard`; no training): one box of train
+        pairs per DP rank (a context-parallel group's first rank's), and the pad count (the last pairs of the last
+        rank repeat its last sample).
 
         Raises:
             WorkerError: naming the rank that failed.
         """
-        shards, pad = split_shard(shard, self.world_size)
+        shards, pad = split_shard(shard, self.dp_size)
         results = self.get(
             self.async_generate(rollout_id, [Box(ray.put(part)) for part in shards]), "generate", rollout_id
         )
-        return [result.pairs for result in results], pad
+        return [result.pairs for result in results[:: self.cp]], pad
 
     def run_train_output(self, rollout_id: int | str, pairs: list[Box] | list[list[TrainPair]]) -> list[Any]:
-        """Each rank's train-output hook on its pairs (a box per rank, or the pairs themselves), no training; the
-        outputs in rank order.
+        """Each DP rank's train-output hook on its pairs (a box per DP rank, or the pairs themselves; the ranks of a
+        context-parallel group run on the same pairs), no training; the outputs in DP rank order.
 
         Raises:
             WorkerError: naming the rank that failed.
         """
         boxes = [part if isinstance(part, Box) else Box(ray.put(part)) for part in pairs]
-        outputs = self.get(self.async_train_output(rollout_id, boxes), "train_output", rollout_id)
-        return ray.get([box.inner for box in outputs])
+        outputs = self.get(self.async_train_output(rollout_id, per_rank(boxes, self.cp)), "train_output", rollout_id)
+        return ray.get([box.inner for box in outputs[:: self.cp]])
 
     @staticmethod
     def unbox(boxes: list[Box]) -> list[Any]:

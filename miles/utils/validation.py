@@ -17,6 +17,7 @@ __all__ = [
     "NonFiniteWeightsError",
     "RunError",
     "check_number",
+    "context_parallel_size",
     "dp_size",
     "flag",
     "float_list",
@@ -24,6 +25,7 @@ __all__ = [
     "is_finite",
     "reject",
     "rollout_pairs",
+    "trainer_ranks",
 ]
 
 
@@ -66,9 +68,22 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def dp_size(args: argparse.Namespace) -> int:
-    """Data-parallel size of every trainer group: ``actor_num_nodes × actor_num_gpus_per_node``."""
+def trainer_ranks(args: argparse.Namespace) -> int:
+    """Ranks (GPUs) of every trainer group: ``actor_num_nodes × actor_num_gpus_per_node``."""
     return args.actor_num_nodes * args.actor_num_gpus_per_node
+
+
+def context_parallel_size(args: argparse.Namespace) -> int:
+    """``--context-parallel-size``: ranks that split one sample's sequence (Ulysses); 1 without the flag."""
+    value = getattr(args, "context_parallel_size", None)  # args of a test or a hook written before the flag
+    return 1 if value is None else value
+
+
+def dp_size(args: argparse.Namespace) -> int:
+    """Data-parallel size of every trainer group: its ranks over the context-parallel size
+    (``actor_num_nodes × actor_num_gpus_per_node / context_parallel_size``); the ranks of one context-parallel group
+    read the same shard of every rollout."""
+    return trainer_ranks(args) // max(context_parallel_size(args), 1)
 
 
 def rollout_pairs(args: argparse.Namespace) -> int:

@@ -67,12 +67,14 @@ def make_trainer(
     device=None,
     collectives=None,
     mesh=None,
+    cp_mesh=None,
     trainer_class=None,
     converters=None,
     **hooks,
 ):
     """The ``GroupTrainer`` of ``role`` in the run ``args`` describe, as one rank builds it (``LocalCollectives`` on
-    the CPU by default); ``hooks`` replace hooks of its spec (``loss=fn``)."""
+    the CPU by default); ``hooks`` replace hooks of its spec (``loss=fn``); ``cp_mesh`` turns on context
+    parallelism."""
     from miles.backends.fsdp_utils.trainer import GroupTrainer
     from miles.methods.base import replace_hooks
     from miles.utils.collectives import LocalCollectives
@@ -88,6 +90,7 @@ def make_trainer(
         device=torch.device("cpu") if device is None else device,
         collectives=LocalCollectives() if collectives is None else collectives,
         mesh=mesh,
+        **({"cp_mesh": cp_mesh} if cp_mesh is not None else {}),
         args=run.args,
         profile=run.profile,
         converters=converters,

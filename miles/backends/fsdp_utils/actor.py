@@ -29,8 +29,8 @@ import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
+from miles.backends.fsdp_utils.context_parallel import build_meshes
 from miles.backends.fsdp_utils.export import write_pipeline
 from miles.backends.fsdp_utils.frozen_trainer import FrozenGroupRunner
 from miles.backends.fsdp_utils.hooks import check_hooks
@@ -58,9 +58,14 @@ def _free_port() -> int:
 
 
 def init_distributed(
-    device: torch.device, address: str, rank: int, world_size: int, timeout_minutes: float
-) -> tuple[Any, ProcessGroupCollectives]:
-    """Join the group's process group and build its 1-D ``("dp",)`` mesh and its collectives.
+    device: torch.device,
+    address: str,
+    rank: int,
+    world_size: int,
+    timeout_minutes: float,
+    context_parallel_size: int = 1,
+) -> tuple[Any, ProcessGroupCollectives, Any]:
+    """Join the group's process group and build its FSDP mesh, its context-parallel mesh and its collectives.
 
     The default group is NCCL on CUDA and gloo on the CPU (the hybrid ``"cpu:gloo,cuda:nccl"`` string fails on a
     CPU-only torch); the collectives run on a gloo group of their own (:class:`ProcessGroupCollectives`). Both wait
@@ -70,15 +75,18 @@ def init_distributed(
     Args:
         device: the rank's device (:func:`miles.utils.device.worker_device`).
         address: rank 0's ``tcp://host:port``.
+        context_parallel_size: ``--context-parallel-size`` (:func:`~miles.backends.fsdp_utils.context_parallel.
+            build_meshes`).
 
     Returns:
-        ``(mesh, collectives)``.
+        ``(mesh, collectives, cp_mesh)``: the 1-D FSDP mesh over all ranks, the collectives, and this rank's
+        ``("ring", "ulysses")`` mesh (None without context parallelism).
     """
     timeout = timedelta(minutes=timeout_minutes)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return mesh, ProcessGroupCollectives(device, timeout=timeout)
+    mesh, cp_mesh = build_meshes(device.type, world_size, context_parallel_size)
+    return mesh, ProcessGroupCollectives(device, timeout=timeout), cp_mesh
 
 
 class FSDPTrainRayActor:
@@ -134,8 +142,13 @@ class FSDPTrainRayActor:
         if spec.trains:
             check_hooks(spec.hooks)  # an unset prepare or loss hook fails on every rank alike, before any collective
         self.device = worker_device()
-        mesh, self.collectives = init_distributed(
-            self.device, f"tcp://{master_addr}:{master_port}", rank, world_size, run.distributed_timeout_minutes
+        mesh, self.collectives, cp_mesh = init_distributed(
+            self.device,
+            f"tcp://{master_addr}:{master_port}",
+            rank,
+            world_size,
+            run.distributed_timeout_minutes,
+            run.context_parallel_size,
         )
         torch.manual_seed(spec.seed)
         # The family of the group's own pipeline (the critic's --critic-load); a frozen group's is the student's.
@@ -143,9 +156,13 @@ class FSDPTrainRayActor:
         options = dict(device=self.device, collectives=self.collectives, args=run.args, profile=run.profile)
         if spec.trains:
             trainer_class = spec.hooks.trainer or GroupTrainer
+            if cp_mesh is not None:  # a user's trainer written before context parallelism takes no such keyword
+                options["cp_mesh"] = cp_mesh
             self.trainer = trainer_class(spec, self.family, mesh=mesh, **options)
         else:
-            self.trainer = FrozenGroupRunner(spec, self.family, **options)
+            self.trainer = FrozenGroupRunner(
+                spec, self.family, context_parallel_size=run.context_parallel_size, **options
+            )
         self._generator: RolloutGenerator | None = None
         # (rollout_id, object-ref hex, pairs) of this rank's last generate: its own train reads them from here.
         self._generated: tuple[int, str, list[TrainPair]] | None = None

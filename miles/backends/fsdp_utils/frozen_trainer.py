@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.backends.fsdp_utils.context_parallel import dp_rank_of
 from miles.backends.fsdp_utils.loss_hub.types import TrainContext
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.backends.fsdp_utils.trainer import host_means, reduce_step_metrics, run_train_input, timed
@@ -68,6 +69,8 @@ class FrozenGroupRunner:
         collectives: the group's collectives.
         args: the command's parsed flags, for the hooks only (``ctx.args``).
         profile: the ``--profile-rollouts`` range and directory, or None.
+        context_parallel_size: ``--context-parallel-size``: the hooks see DP rank ``rank // context_parallel_size``
+            (the ranks of a CP group hold the same pairs and draw the same noise).
 
     Raises:
         ValueError: if the group has no train-output hook (it would do nothing) or trains (its spec has a model
@@ -83,6 +86,7 @@ class FrozenGroupRunner:
         collectives: Collectives,
         args: Any = None,
         profile: ProfileSpec | None = None,
+        context_parallel_size: int = 1,
     ) -> None:
         if spec.trains:
             raise ValueError(f"the {spec.role} group trains {spec.init}; a GroupTrainer runs it, not a frozen runner")
@@ -93,6 +97,8 @@ class FrozenGroupRunner:
         self.spec, self.role, self.family, self.device = spec, spec.role, family, device
         self.args, self.profile, self.collectives = args, profile, collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
+        self.dp_rank = dp_rank_of(self.rank, context_parallel_size)
+        self.dp_size = self.world_size // context_parallel_size
         self.hooks = spec.hooks
         self.models = FrozenModelSet()
         self.sleeper = SleepController([], None, device)
@@ -119,8 +125,8 @@ class FrozenGroupRunner:
             device=self.device,
             dtype=torch.float32,
             rollout_id=rollout_id,
-            dp_rank=self.rank,
-            dp_size=self.world_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
         )
 
     def train(

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import ModulesState, RNGState, SchedulerState
+from miles.backends.fsdp_utils.context_parallel import enable_context_parallel
 from miles.backends.fsdp_utils.converters import ModelConverter, keeps_in_checkpoint, lora_converter
 from miles.backends.fsdp_utils.ema import ParameterEMA
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
@@ -190,6 +191,7 @@ def build_model_set(
     mesh: DeviceMesh | None,
     converters: list[ModelConverter],
     args: Any = None,
+    cp_mesh: DeviceMesh | None = None,
 ) -> ModelSet:
     """Load and build a group's model set (module docstring).
 
@@ -199,16 +201,20 @@ def build_model_set(
         mesh: the group's 1-D data-parallel mesh; None for a group of one (nothing is wrapped).
         converters: applied to every trainable module before sharding, in order.
         args: the command's flags, the module builder's first argument (its documented signature).
+        cp_mesh: this rank's context-parallel mesh, or None: the denoiser and the separate teacher then split each
+            sample's sequence over it (:func:`~miles.backends.fsdp_utils.context_parallel.enable_context_parallel`;
+            a LoRA teacher is the denoiser itself).
 
     Raises:
         HookResultError / ValueError: for a module builder that returns something else than named modules.
-        ValueError: if no parameter is left trainable.
+        ValueError: if no parameter is left trainable, or the denoiser has no context-parallel plan.
     """
     # Gathered through each phase, reduce-scattered once per optimizer step (see model.py), unless memory is short.
     reshard_after_forward = spec.reshard_every_microbatch
     denoiser = load_trainable_denoiser(
         family, spec.init, mesh, device, dtype, converters, reshard_after_forward=reshard_after_forward
     )
+    enable_context_parallel(denoiser, cp_mesh, fsdp_ranks=mesh.size() if mesh is not None else 1)
     frozen = {}
     # A two-expert teacher (Wan 2.2 A14B) is never the LoRA base: the base is one network, the teacher two.
     two_experts = bool(spec.teacher) and family.expert_boundary(spec.teacher) is not None
@@ -218,6 +224,7 @@ def build_model_set(
         frozen[DENOISER] = load_frozen_denoiser(
             family, spec.teacher, mesh, device, dtype, reshard_after_forward=reshard_after_forward
         )
+        enable_context_parallel(frozen[DENOISER], cp_mesh)
     trainable = nn.ModuleDict({DENOISER: denoiser})
     if spec.hooks.build_modules is not None:
         for name, module in _built_modules(spec, args, denoiser, converters, device, dtype, mesh).items():

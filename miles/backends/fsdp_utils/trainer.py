@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.context_parallel import dp_rank_of
 from miles.backends.fsdp_utils.converters import ModelConverter, build_converters
 from miles.backends.fsdp_utils.hooks import (
     check_hooks,
@@ -184,7 +185,10 @@ class GroupTrainer:
         family: the model family instance (loading, the velocity forward).
         device: where the models train.
         collectives: the group's collectives (``LocalCollectives`` for a group of one).
-        mesh: the group's 1-D data-parallel mesh, or None for a group of one (nothing is sharded).
+        mesh: the group's 1-D FSDP mesh over all its ranks, or None for a group of one (nothing is sharded).
+        cp_mesh: this rank's ``("ring", "ulysses")`` context-parallel mesh, or None: the denoiser and the teacher
+            split each sample's sequence over it (:mod:`miles.backends.fsdp_utils.context_parallel`), and the hooks
+            see the DP rank ``rank // cp`` (a CP group's ranks draw the same noise for the same pairs).
         args: the command's parsed flags, handed to the hooks only (``ctx.args``, the module builder's first
             argument; :attr:`miles.config.RunSpec.args`); None for hooks that read none.
         converters: changes applied to the trainable modules before sharding; default :func:`build_converters`.
@@ -204,6 +208,7 @@ class GroupTrainer:
         device: torch.device,
         collectives: Collectives,
         mesh=None,
+        cp_mesh=None,
         args: Any = None,
         converters: list[ModelConverter] | None = None,
         profile: ProfileSpec | None = None,
@@ -214,6 +219,8 @@ class GroupTrainer:
         self.args, self.profile = args, profile
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
+        cp = 1 if cp_mesh is None else cp_mesh.size()
+        self.dp_rank, self.dp_size = dp_rank_of(self.rank, cp), self.world_size // cp
         self.hooks = check_hooks(spec.hooks)
         self.output_before = spec.train_output_before_step
         if self.output_before is not None and not 0 <= self.output_before < spec.steps_per_rollout:
@@ -224,7 +231,7 @@ class GroupTrainer:
         self.dtype = resolve_dtype(spec.dtype)
         self.sync_every_microbatch = spec.reshard_every_microbatch
         converters = build_converters(spec) if converters is None else converters
-        self.models: ModelSet = build_model_set(spec, family, device, self.dtype, mesh, converters, args)
+        self.models: ModelSet = build_model_set(spec, family, device, self.dtype, mesh, converters, args, cp_mesh)
         # Run after every optimizer step that was taken (not after a skipped one), in order.
         self.post_step_hooks: list[Callable[[], None]] = []
         if self.models.ema is not None:
@@ -261,8 +268,8 @@ class GroupTrainer:
             dtype=self.dtype,
             rollout_id=rollout_id,
             microbatch_id=microbatch_id,
-            dp_rank=self.rank,
-            dp_size=self.world_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
         )
 
     def train(

@@ -83,7 +83,7 @@ def test_global_batch_not_divisible_by_dp_times_micro_batch_rejected(extra, mess
             # Every DP rank generates an equal share of the prompts, so they must split evenly.
             ["--rollout-batch-size", "6", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2"],
             "--rollout-batch-size 6 must be a multiple of the DP size 4 (--actor-num-nodes x "
-            "--actor-num-gpus-per-node): every rank generates an equal share of the prompts",
+            "--actor-num-gpus-per-node / --context-parallel-size): every rank generates an equal share of the prompts",
             ["--rollout-batch-size", "8"],
         ),
         (
@@ -103,6 +103,42 @@ def test_global_batch_not_divisible_by_dp_times_micro_batch_rejected(extra, mess
 def test_prompts_and_engine_replicas_must_split_over_the_dp_ranks(extra, message, fixed):
     assert message in _rejected([*BASE, *extra])
     _validate([*BASE, *extra, *fixed])
+
+
+@pytest.mark.parametrize(
+    "extra, message, fixed",
+    [
+        (
+            # 4 ranks at CP 2 are 2 DP ranks: 2 prompts split over them, where 4 DP ranks could not split them.
+            ["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "4"],
+            "--rollout-batch-size 2 must be a multiple of the DP size 4",
+            ["--context-parallel-size", "2"],
+        ),
+        (
+            ["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "4", "--context-parallel-size", "3"],
+            "--context-parallel-size 3 must divide the trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node "
+            "= 4); DP size = ranks / context-parallel size",
+            ["--context-parallel-size", "4"],
+        ),
+        (
+            ["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "0"],
+            "--context-parallel-size must be >= 1, got 0",
+            ["--context-parallel-size", "2"],
+        ),
+        (
+            ["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "4", "--context-parallel-size", "2"]
+            + ["--rollout-num-gpus", "1"],
+            "--context-parallel-size 2 needs the actor ranks to generate (--rollout-num-gpus 0)",
+            ["--rollout-num-gpus", "0"],
+        ),
+    ],
+)
+def test_the_context_parallel_size_splits_the_ranks_into_dp_by_cp(extra, message, fixed):
+    assert message in _rejected([*BASE, *extra])
+    args = _validate([*BASE, *extra, *fixed])
+    from miles.utils.validation import context_parallel_size, dp_size
+
+    assert dp_size(args) * context_parallel_size(args) == args.actor_num_gpus_per_node
 
 
 @pytest.mark.parametrize(

@@ -105,6 +105,19 @@ def test_two_ranks_hold_the_torch_chunk_shards_of_every_parameter():
     assert per_rank[0].optimizer < whole.optimizer and per_rank[0].gathered_train == 2 * whole.parameters
 
 
+def test_context_parallel_shards_over_dp_times_cp_and_splits_the_activations_of_the_image_tokens():
+    """--context-parallel-size 2 at DP 1: FSDP shards over both ranks (as DP 2 without CP) and each rank keeps the
+    activations of half the image tokens (as a sample of 8 image tokens; the 8 text tokens are not split)."""
+    spec = GroupSpec("actor", TINY_SD3)
+    cp = plan_group(spec, _setting(1, torch.float32, 16, 8, context_parallel=2))
+    dp = plan_group(spec, _setting(2, torch.float32, 16, 8))
+    half = plan_group(spec, _setting(2, torch.float32, 8, 8))
+    assert (cp.parameters, cp.optimizer, cp.gathered_train) == (dp.parameters, dp.optimizer, dp.gathered_train)
+    assert cp.activations == half.activations
+    assert cp.activations.peak < dp.activations.peak
+    assert _setting(3, torch.float32, 16, 8, context_parallel=2).shard_ranks == 6
+
+
 def test_zero3_gathers_less_than_the_whole_model_and_checkpointing_keeps_fewer_activations():
     deeper = {**TINY_SD3, "num_layers": 4}  # with two blocks, "two at a time" is the whole model
     spec = GroupSpec("critic", deeper, teacher=deeper)
@@ -197,6 +210,33 @@ def test_the_dry_run_prints_the_plan_of_every_group(tmp_path, caplog):
         log_memory_plan(parse_args([*argv, "--hf-checkpoint", str(tmp_path / "nope")]))
     assert len(caplog.records) == 1
     assert caplog.records[0].getMessage().startswith("memory plan: not available (FileNotFoundError: ")
+
+
+def test_the_dry_run_plans_a_wan_run_at_context_parallel_2(tmp_path, caplog):
+    """The tiny Wan pipeline at 2 ranks (planned at the latent shape the family samples: 32760 video tokens): CP 2 is
+    DP 1, sharded over both ranks as DP 2 is, each rank holding the activations of 16380 tokens; the header says
+    so."""
+    from miles.driver.arguments import parse_args
+    from miles.driver.memory_plan import log_memory_plan
+    from tests.support.tiny_pipelines import write_tiny_wan
+
+    wan = write_tiny_wan(tmp_path / "wan")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a cat"}\n')
+    argv = ["--loss-type", "sft_loss", "--train-only", "--hf-checkpoint", str(wan), "--prompt-data",
+            str(tmp_path / "p.jsonl"), "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2",
+            "--num-rollout", "1", "--dry-run"]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="miles.driver.memory_plan"):
+        log_memory_plan(parse_args([*argv, "--context-parallel-size", "2"]))
+    assert (
+        "memory per GPU, DP rank 0 of 1: float32 compute, 32760 image + 512 text tokens per sample, gradient "
+        "checkpointing off, ZeRO-2-like (whole models per phase), context parallel 2 (FSDP over 2 ranks, 16380 "
+        "image tokens per rank)"
+    ) in caplog.text
+    setting, (cp,) = plan_run(parse_args([*argv, "--context-parallel-size", "2"]))
+    assert (setting.dp_size, setting.context_parallel, setting.shard_ranks) == (1, 2, 2)
+    _, (dp,) = plan_run(parse_args(argv))
+    assert cp.parameters == dp.parameters and cp.optimizer == dp.optimizer
+    assert cp.activations.peak < dp.activations.peak
 
 
 def _sd3_argv(pipeline, data, tmp_path, *extra) -> list[str]:

@@ -261,6 +261,12 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
             [*DMD2, "--dmd2-gan-max-timestep-ratio", "0.3"],
             "--dmd2-gan-max-timestep-ratio changes the GAN head: set --dmd2-gan-disc-weight > 0, or remove it",
         ),
+        (
+            [*DMD2, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", "/data/real.jsonl"]
+            + ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
+            "--dmd2-gan-disc-weight > 0 with --context-parallel-size 2: the GAN head reads block features that "
+            "context parallelism splits over the ranks; use --context-parallel-size 1",
+        ),
     ],
     ids=[
         "teacher-missing",
@@ -284,6 +290,7 @@ def test_dmd2_flags_rejected_without_dmd2(extra, loss_type, capsys):
         "scoring-range-between-grid-points",
         "gan-range-between-grid-points",
         "gan-range-without-gan",
+        "gan-under-context-parallelism",
     ],
 )
 def test_unsupported_dmd2_combination_rejected(argv, message, capsys):

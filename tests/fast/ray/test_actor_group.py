@@ -76,7 +76,7 @@ def test_each_rank_gets_same_rank_outputs_of_earlier_groups(ray_cluster, pipelin
             groups[1].async_train(2, refs, external_data={"critic": outputs[:1]})
         with pytest.raises(ValueError, match="critic group has 2 ranks but got 1 train-pair shards"):
             groups[0].async_train(2, refs[:1])
-        with pytest.raises(ValueError, match="actor group has 2 ranks but got 3 prompt shards"):
+        with pytest.raises(ValueError, match="actor group has 2 DP ranks but got 3 prompt shards"):
             groups[1].async_generate(2, refs + refs[:1])
     finally:
         _shutdown(groups)

@@ -56,3 +56,17 @@ def test_a_frozen_spec_runs_its_hooks_alone_and_refuses_what_it_does_not_hold(tm
                           collectives=LocalCollectives())  # fmt: skip
     with pytest.raises(ValueError, match="has no model source: it is frozen"):
         GroupTrainer(spec, family, device=CPU, collectives=LocalCollectives())
+
+
+def test_a_frozen_groups_hooks_see_the_dp_rank_of_its_context_parallel_group(tmp_path):
+    """At --context-parallel-size 2, rank 3 of 4 is DP rank 1 of 2: its hooks draw the noise of its CP group's
+    shard (the collectives stand in for rank 3's process group; only their rank and size are read)."""
+    from types import SimpleNamespace
+
+    family = get_model_family(make_pipeline(tmp_path / "digits"))
+    spec = GroupSpec(role="reward", hooks=GroupHooks(train_output=_output), init=None)
+    rank3 = SimpleNamespace(rank=3, world_size=4)
+    ctx = FrozenGroupRunner(spec, family, device=CPU, collectives=rank3, context_parallel_size=2).context(0, {})
+    assert (ctx.dp_rank, ctx.dp_size) == (1, 2)
+    ctx = FrozenGroupRunner(spec, family, device=CPU, collectives=rank3).context(0, {})
+    assert (ctx.dp_rank, ctx.dp_size) == (3, 4)

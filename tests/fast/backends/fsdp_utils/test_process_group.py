@@ -37,7 +37,7 @@ def test_ranks_wait_for_rank_0s_long_work_outside_the_device_groups_watchdog():
 
 
 def test_the_timeout_reaches_both_process_groups():
-    mesh, collectives = init_distributed(torch.device("cpu"), f"tcp://127.0.0.1:{free_port()}", 0, 1, 7)
+    mesh, collectives, _ = init_distributed(torch.device("cpu"), f"tcp://127.0.0.1:{free_port()}", 0, 1, 7)
     try:
         assert _timeout(dist.distributed_c10d._get_default_group()) == timedelta(minutes=7)
         assert _timeout(collectives.group) == timedelta(minutes=7)
