@@ -221,12 +221,14 @@ def group_layout(args: argparse.Namespace) -> list[GroupSpec]:
 _PATHS = {"hf_checkpoint": "init", "teacher_load": "teacher", "load": "load", "save": "save"}
 
 
-def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:
+def group_paths(
+    args: argparse.Namespace, dests: tuple[str, ...], groups: list[GroupSpec] | None = None
+) -> list[tuple[str, str]]:
     """``(flag, path)`` of the paths ``dests`` name over all trainer groups, each path once, the actor's first
     where groups share one. Each is labelled as its group's spec names it (:meth:`GroupSpec.path_label`): the
     critic's init is ``--critic-load`` (or the ``--teacher-load`` it defaults to), its save directory "the critic
-    group's --save"."""
-    groups = sorted(group_layout(args), key=lambda group: group.role != "actor")
+    group's --save". ``groups``: :func:`group_layout`'s, when already laid out."""
+    groups = sorted(group_layout(args) if groups is None else groups, key=lambda group: group.role != "actor")
     paths, seen = [], set()
     for group in groups:
         for dest in dests:
