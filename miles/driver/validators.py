@@ -22,6 +22,7 @@ __all__ = [
     "group_paths",
     "method_flag_dests",
     "run_paths",
+    "unused",
     "validate_args",
     "validate_batch_args",
     "validate_keep_best",
@@ -154,8 +155,23 @@ def validate_args(args: argparse.Namespace) -> None:
         check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
     validate_keep_best(args)
     validate_number_args(args)
+    unused(
+        args,
+        {"eval_prompt_data": None, "eval_max_prompts": 100, "eval_n_samples_per_prompt": 1},
+        args.eval_interval,
+        "is read by the evaluations only: set --eval-interval N to evaluate every N rollouts, or remove it",
+    )
     validate_lora_args(args)
     get_method(args).validate(args)
+
+
+def unused(args: argparse.Namespace, defaults: dict[str, Any], enabled: Any, why: str) -> None:
+    """The flags of a feature that is off (not ``enabled``) change nothing: one set away from its default
+    (``{dest: default}``) is rejected as ``"<flag> <why>"``."""
+    if not enabled:
+        for dest, default in defaults.items():
+            if getattr(args, dest) != default:
+                reject(f"{flag(dest)} {why}")
 
 
 def validate_keep_best(args: argparse.Namespace) -> None:
@@ -189,14 +205,12 @@ def validate_lora_args(args: argparse.Namespace) -> None:
     ``--lora-rank`` is rejected, as it would change nothing."""
     from miles.models.lora import LoraFlags, check_lora_flags
 
-    if not args.lora_rank:
-        for name, value, default in (
-            ("--lora-alpha", args.lora_alpha, None),
-            ("--lora-target-modules", args.lora_target_modules, None),
-            ("--lora-dropout", args.lora_dropout, 0.0),
-        ):
-            if value != default:
-                reject(f"{name} is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank")
+    unused(
+        args,
+        {"lora_alpha": None, "lora_target_modules": None, "lora_dropout": 0.0},
+        args.lora_rank,
+        "is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank",
+    )
     check_lora_flags(
         "--",
         LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout),

@@ -597,6 +597,18 @@ COMMANDS: dict[str, Callable] = {
         "hunyuan",
         message="--diffusion-model-family hunyuan is unknown; pass a registered name",
     ),
+    # flags that change nothing (issue 34): evaluation settings without evaluations, a trainer that is none
+    "eval-max-prompts-without-evaluation": flag_case(
+        "--eval-max-prompts", "8", message="--eval-max-prompts is read by the evaluations only: set --eval-interval N"
+    ),
+    "eval-prompt-data-without-evaluation": flag_case(
+        "--eval-prompt-data", "{d}/eval.jsonl", message="--eval-prompt-data is read by the evaluations only: set --ev"
+    ),
+    "custom-trainer-not-a-trainer": flag_case(
+        "--custom-trainer-path",
+        "miles.utils.misc.make_generator",
+        message="--custom-trainer-path miles.utils.misc.make_generator is <function make_generator",
+    ),
     # data files
     "prompt-data-missing": flag_case(
         "--prompt-data", "{d}/nope.jsonl", message="--prompt-data {d}/nope.jsonl does not"
