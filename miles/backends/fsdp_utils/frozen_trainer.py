@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, TrainContext
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.backends.fsdp_utils.trainer import host_means, reduce_step_metrics, run_train_input, timed
 from miles.config import GroupSpec, ProfileSpec
@@ -140,7 +140,7 @@ class FrozenGroupRunner:
                     self.hooks, self.context(rollout_id, external), pairs, self.collectives, self.role
                 )
             timers = {"train_output_time": 0.0}
-            figures: dict[str, list[float | torch.Tensor]] = {}
+            figures: Metrics = {}
             output = timed(
                 timers, "train_output_time", self.device, self._output, rollout_id, external, pairs, figures
             )

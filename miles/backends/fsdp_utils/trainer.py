@@ -40,7 +40,7 @@ from miles.backends.fsdp_utils.hooks import (
     metric_key,
     split_windows,
 )
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, TrainContext
 from miles.backends.fsdp_utils.model import compute_context, resolve_dtype, window_sync
 from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local_bytes
 from miles.backends.fsdp_utils.optimizer import apply_optimizer_spec, clip_grad_norm_
@@ -235,7 +235,7 @@ class GroupTrainer:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.gradient_bytes = 0
-        self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
+        self._output_metrics: Metrics = {}
 
     # -- the rollout ---------------------------------------------------------------------------------------------
     def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
@@ -333,7 +333,7 @@ class GroupTrainer:
         stay the trainer's."""
         window_pairs = sum(len(mb) for mb in micro_batches)
         # Filled by the loss hook with per-pair tensors; moved to the host once, in apply_gradients.
-        hook_metrics: dict[str, list[float | torch.Tensor]] = {}
+        hook_metrics: Metrics = {}
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self.context(rollout_id, external, first_microbatch_id + j)

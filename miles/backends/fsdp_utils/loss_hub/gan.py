@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
+from miles.backends.fsdp_utils.loss_hub.types import Metrics
 from miles.models.base import DENOISER
 from miles.models.capabilities import TokenFeatures, require
 from miles.utils.misc import make_generator
@@ -325,9 +326,7 @@ def judge_rows(
     return rows, extras
 
 
-def judge_loss(
-    settings, logit: dict[str, torch.Tensor], extras: dict, metrics: dict[str, list[float | torch.Tensor]]
-) -> torch.Tensor:
+def judge_loss(settings, logit: dict[str, torch.Tensor], extras: dict, metrics: Metrics) -> torch.Tensor:
     """Per pair, the optional rows' discriminator terms (float32 ``(B,)``): ``w_mismatch · softplus(D(real, another
     prompt))`` (0 for a pair without one) ``+ w_r1 · (D(real) − D(real + α·ε'))²``; ``logit`` maps each group of
     :func:`judge_rows` (and ``"real"``) to its logits. Appends ``gan_logit_mismatch`` and ``gan_r1`` to ``metrics``.
