@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.loss_hub.types import Metrics, TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics
 from miles.backends.fsdp_utils.sleep import SleepController
-from miles.backends.fsdp_utils.trainer import host_means, reduce_step_metrics, run_train_input, timed
+from miles.backends.fsdp_utils.trainer import GroupRank, host_means, reduce_step_metrics, run_train_input, timed
 from miles.config import GroupSpec, ProfileSpec
 from miles.utils.collectives import Collectives
 from miles.utils.profiling import profiled
@@ -57,7 +57,7 @@ class FrozenModelSet:
         return {"parameters": 0, "gradients": 0, "optimizer": 0, "frozen": 0}
 
 
-class FrozenGroupRunner:
+class FrozenGroupRunner(GroupRank):
     """One rank of a frozen group: :meth:`train` runs the train-output hook once per rollout, nothing else.
 
     Args:
@@ -97,31 +97,7 @@ class FrozenGroupRunner:
         self.models = FrozenModelSet()
         self.sleeper = SleepController([], None, device)
         self.gradient_bytes = 0  # no gradient is ever held
-
-    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
-        """Refuse to compute while asleep (only the driver wakes a group).
-
-        Raises:
-            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
-        """
-        if self.sleeper.asleep:
-            when = "" if rollout_id is None else f" (rollout {rollout_id})"
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
-
-    def context(self, rollout_id: int | str, external: dict[str, Any]) -> TrainContext:
-        """What the hooks see: no models, float32 (the hook chooses its own dtypes)."""
-        return TrainContext(
-            args=self.args,
-            models={},
-            teacher_models={},
-            external_data=external,
-            family=self.family,
-            device=self.device,
-            dtype=torch.float32,
-            rollout_id=rollout_id,
-            dp_rank=self.rank,
-            dp_size=self.world_size,
-        )
+        self.dtype = torch.float32  # in the hooks' context: the hook chooses its own dtypes
 
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]

@@ -175,7 +175,41 @@ def run_train_input(
     return pairs
 
 
-class GroupTrainer:
+class GroupRank:
+    """What every rank of a trainer group shares, trained (:class:`GroupTrainer`) or frozen
+    (:class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupRunner`): the awake check and its hooks' context.
+    A subclass sets ``role``, ``args``, ``family``, ``device``, ``dtype``, ``rank``, ``world_size``, ``models`` (its
+    ``trainable`` and ``frozen`` modules) and ``sleeper``."""
+
+    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
+        """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
+        that held the shared GPU to sleep); a group that woke itself would sit on the GPU beside the other one.
+
+        Raises:
+            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
+        """
+        if self.sleeper.asleep:
+            when = "" if rollout_id is None else f" (rollout {rollout_id})"
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
+
+    def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int = 0) -> TrainContext:
+        """What a hook sees for one micro-batch."""
+        return TrainContext(
+            args=self.args,
+            models=dict(self.models.trainable),
+            teacher_models=self.models.frozen,
+            external_data=external,
+            family=self.family,
+            device=self.device,
+            dtype=self.dtype,
+            rollout_id=rollout_id,
+            microbatch_id=microbatch_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+        )
+
+
+class GroupTrainer(GroupRank):
     """One rank of a trainer group: its model set, hooks and window loop.
 
     Args:
@@ -238,33 +272,6 @@ class GroupTrainer:
         self._output_metrics: Metrics = {}
 
     # -- the rollout ---------------------------------------------------------------------------------------------
-    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
-        """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
-        that held the shared GPU to sleep); a group that woke itself would sit on the GPU beside the other one.
-
-        Raises:
-            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
-        """
-        if self.sleeper.asleep:
-            when = "" if rollout_id is None else f" (rollout {rollout_id})"
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
-
-    def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int) -> TrainContext:
-        """What a hook sees for one micro-batch."""
-        return TrainContext(
-            args=self.args,
-            models=dict(self.models.trainable),
-            teacher_models=self.models.frozen,
-            external_data=external,
-            family=self.family,
-            device=self.device,
-            dtype=self.dtype,
-            rollout_id=rollout_id,
-            microbatch_id=microbatch_id,
-            dp_rank=self.rank,
-            dp_size=self.world_size,
-        )
-
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
     ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
