@@ -423,7 +423,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     from miles.driver.arguments import parse_args
     from miles.driver.preflight import validate_inputs
-    from miles.driver.specs import build_run_spec
     from miles.utils.log import setup_logging
     from miles.utils.validation import ArgumentValidationError
 
@@ -431,9 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     _importable_working_dir()
     try:
-        # Hooks (imported once), --load, pipelines, data and outputs before Ray starts, in a dry run too; then the
-        # run's specs, from the hooks the checks imported.
-        run = build_run_spec(args, validate_inputs(args))
+        # Hooks (imported once) and the run's specs, then --load, pipelines, data and outputs, checked against the
+        # specs before Ray starts, in a dry run too.
+        run = validate_inputs(args)
     except ArgumentValidationError as exc:
         _fail(str(exc), 2)
     if args.dry_run:

@@ -14,19 +14,20 @@ import argparse
 import os
 from pathlib import Path
 
-from miles.config import UserHooks
+from miles.config import RunSpec
 from miles.models.base import DENOISER
 from miles.utils.validation import reject
 
 __all__ = ["check_weights", "validate_inputs"]
 
 
-def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserHooks:
+def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSpec:
     """Every check of the files and code a command names, in this order:
 
     1. ``--diffusion-model-family`` is a registered name or imports a complete family class; every hook path
        (``--custom-*-path``, ``--diffusion-step-strategy-path``, the method's, ``--eval-function-path``) imports
-       and names a callable (:func:`miles.driver.specs.resolve_hooks`);
+       and names a callable (:func:`miles.driver.specs.resolve_hooks`); then the run's specs are built from them
+       (:func:`miles.driver.specs.build_run_spec`), and every check below reads its groups and data from them;
     2. ``--load`` holds a complete, readable newest checkpoint of this command (``preflight_checkpoint``);
     3. with ``check_paths``, the pipelines (:func:`_check_pipelines`): every group's init and teacher are pipeline
        directories of the student's family that take its latents and prompt encodings, can be guided as asked, and
@@ -43,14 +44,14 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserH
     ``check_paths=False`` stops after step 2 (a ``--dry-run`` for a cluster's paths, tests of the rest).
 
     Returns:
-        The user's hooks, imported once: the driver builds the run's specs from them.
+        The run's specs, built once (the hooks imported once): the driver plans or trains from them.
 
     Raises:
         ArgumentValidationError: at the first failed check; the message names the flag and the path.
     """
     from miles.driver.preflight_checkpoint import check_load
-    from miles.driver.specs import resolve_hooks
-    from miles.driver.validators import group_layout, group_paths
+    from miles.driver.specs import build_run_spec, resolve_hooks
+    from miles.driver.validators import group_paths
 
     override = None
     if args.diffusion_model_family:
@@ -60,12 +61,12 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserH
             override = family_class(args.diffusion_model_family)
         except ValueError as exc:
             reject(str(exc))
-    hooks = resolve_hooks(args)
-    groups = group_layout(args)
+    run = build_run_spec(args, resolve_hooks(args))
+    groups = list(run.groups)
     if args.load:
         check_load(args, groups)
     if not check_paths:
-        return hooks
+        return run
     from miles.driver import preflight_outputs
     from miles.driver.memory_plan import check_text_encoders_fit
     from miles.driver.preflight_data import DataCheck, check_negative_cond
@@ -74,20 +75,20 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> UserH
     method = get_method(args)
     pipelines = group_paths(args, ("hf_checkpoint", "teacher_load"), groups)
     family, shape = _check_pipelines(args, pipelines, override, method.guided_pipelines(args))
-    keys = (args.input_key, args.image_key, args.latent_key, args.cond_key)
-    data = DataCheck(family, shape, keys, args.hf_checkpoint)
-    data.records("--prompt-data", args.prompt_data, "--train-only trains on every record's image" * args.train_only)
+    spec = run.engine.data
+    data = DataCheck(family, shape, spec, args.hf_checkpoint)
+    data.records("--prompt-data", spec.prompt_data, "--train-only trains on every record's image" * spec.train_only)
     if args.eval_interval and args.eval_prompt_data:
         data.records("--eval-prompt-data", args.eval_prompt_data)
     # The method's data files: those dealt beside the prompts (the GAN's real data) and those read at evaluations.
     for side in [*method.side_inputs(args), *method.eval_data(args)]:
         data.records(side.flag, side.path, "each of its records is trained on")
-    if args.negative_cond:
-        check_negative_cond(data, args.negative_cond)
+    if run.engine.negative_cond:
+        check_negative_cond(data, run.engine.negative_cond)
     method.check_inputs(args)
     check_text_encoders_fit(args)
     preflight_outputs.check_outputs(args, groups, pipelines)
-    return hooks
+    return run
 
 
 def _check_pipelines(args: argparse.Namespace, pipelines: list[tuple[str, str]], override: type | None, guided: list):

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.config import DataSpec
 from miles.utils.validation import reject
 
 __all__ = ["DataCheck", "check_negative_cond", "safetensors_header", "stored_latent_shape"]
@@ -76,13 +77,13 @@ class DataCheck:
     ``shape`` ``(C, H, W)``; the cond files of every data file must agree with each other and with the run's family.
 
     Args:
-        keys: the data keys ``(input_key, image_key, latent_key, cond_key)``.
+        spec: the run's data spec: its keys (``input_key``, ``image_key``, ``latent_key``, ``cond_key``).
         pipeline: ``--hf-checkpoint``, as the messages name it.
     """
 
     family: Any
     shape: tuple[int, ...]
-    keys: tuple[str, str, str, str]
+    spec: DataSpec
     pipeline: str
     cond_shapes: tuple[str, dict] | None = None  # (the first cond file, its {tensor: shape})
     seen: set = field(default_factory=set)
@@ -99,7 +100,8 @@ class DataCheck:
         """
         from miles.rollout.data_source import JsonlPromptSource, load_image_latent
 
-        input_key, image_key, latent_key, cond_key = self.keys
+        spec = self.spec
+        input_key, image_key, latent_key, cond_key = spec.input_key, spec.image_key, spec.latent_key, spec.cond_key
         try:
             records = JsonlPromptSource(path, input_key=input_key, shuffle=False, flag=flag).records
         except (OSError, ValueError) as exc:
