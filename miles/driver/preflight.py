@@ -74,7 +74,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
 
     method = get_method(args)
     pipelines = group_paths(args, ("hf_checkpoint", "teacher_load"), groups)
-    family, shape = _check_pipelines(args, pipelines, override, method.guided_pipelines(args))
+    family, shape = _check_pipelines(args, pipelines, override, run.engine.family, method.guided_pipelines(args))
     spec = run.engine.data
     data = DataCheck(family, shape, spec, args.hf_checkpoint)
     data.records("--prompt-data", spec.prompt_data, "--train-only trains on every record's image" * spec.train_only)
@@ -91,7 +91,13 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
     return run
 
 
-def _check_pipelines(args: argparse.Namespace, pipelines: list[tuple[str, str]], override: type | None, guided: list):
+def _check_pipelines(
+    args: argparse.Namespace,
+    pipelines: list[tuple[str, str]],
+    override: type | None,
+    student_class: type | None,
+    guided: list,
+):
     """Each pipeline a group loads, the student's ``--hf-checkpoint`` first: a directory; of the family
     ``--diffusion-model-family`` names (one of its ``pipeline_classes``; a family that declares none is trusted);
     usable (its latent shape and scheduler config read: the trainer's σ grid and the export's scheduler come from
@@ -99,6 +105,9 @@ def _check_pipelines(args: argparse.Namespace, pipelines: list[tuple[str, str]],
     text-encoder widths; digits adds the token length). Then each guidance scale at most its pipeline's
     ``max_guidance_scale`` (``--diffusion-guidance-scale`` the student's, the method's ``guided``: DMD2's teacher; a
     FLUX.1-schnell checkpoint takes no guidance), and every denoiser's weights (:func:`check_weights`).
+
+    Args:
+        student_class: the student's family class as the specs resolved it (None: unreadable there; read here again).
 
     Returns:
         ``(family, latent shape)`` of the student.
@@ -126,7 +135,8 @@ def _check_pipelines(args: argparse.Namespace, pipelines: list[tuple[str, str]],
                     "; drop the flag (the family is read from model_index.json) or name the family of that pipeline"
                 )
         try:
-            families[path] = family = get_model_family(path, args.diffusion_model_family)
+            known = student_class if path == pipelines[0][1] else None
+            families[path] = family = known(path) if known else get_model_family(path, args.diffusion_model_family)
             shape = tuple(family.latent_shape(path))
             read_scheduler_config(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -10,6 +10,7 @@ a data file of 100,000 records is checked in seconds. Images written into a JSON
 nature). The values of files are read when a rollout loads them.
 """
 
+import functools
 import json
 import struct
 from dataclasses import dataclass, field
@@ -26,12 +27,18 @@ __all__ = ["DataCheck", "check_negative_cond", "safetensors_header", "stored_lat
 
 def safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file (``{name: {"dtype", "shape", "data_offsets"}}``, and ``__metadata__``
-    when it has one), checked against the file's size.
+    when it has one), checked against the file's size. Read once per process while the file is unchanged (its
+    size and modification time): the checks and the space estimate share it; callers must not modify it.
 
     Raises:
         ValueError: if the file is too short, its header is not JSON, or its tensors run past the end of the file.
     """
-    size = path.stat().st_size
+    stat = Path(path).stat()
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_header(path: str, size: int, mtime_ns: int) -> dict:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
