@@ -90,9 +90,7 @@ class FrozenGroupRunner(GroupRank):
             raise ValueError(
                 f"the frozen {spec.role} group needs --custom-train-output-function-path; it trains nothing"
             )
-        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
-        self.args, self.profile, self.collectives = args, profile, collectives
-        self.rank, self.world_size = collectives.rank, collectives.world_size
+        super().__init__(spec, family, device, collectives, args, profile)
         self.hooks = spec.hooks
         self.models = FrozenModelSet()
         self.sleeper = SleepController([], None, device)

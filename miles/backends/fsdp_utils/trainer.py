@@ -179,7 +179,15 @@ class GroupRank:
     """What every rank of a trainer group shares, trained (:class:`GroupTrainer`) or frozen
     (:class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupRunner`): the awake check and its hooks' context.
     A subclass sets ``role``, ``args``, ``family``, ``device``, ``dtype``, ``rank``, ``world_size``, ``models`` (its
-    ``trainable`` and ``frozen`` modules) and ``sleeper``."""
+    ``trainable`` and ``frozen`` modules) and ``sleeper``; :meth:`__init__` sets those both read from their
+    constructor's arguments."""
+
+    def __init__(
+        self, spec: GroupSpec, family: Any, device: torch.device, collectives: Collectives, args: Any, profile: Any
+    ) -> None:
+        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
+        self.args, self.profile, self.collectives = args, profile, collectives
+        self.rank, self.world_size = collectives.rank, collectives.world_size
 
     def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
         """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
@@ -244,10 +252,7 @@ class GroupTrainer(GroupRank):
     ) -> None:
         if not spec.trains:
             raise ValueError(f"the {spec.role} group's spec has no model source: it is frozen (FrozenGroupRunner)")
-        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
-        self.args, self.profile = args, profile
-        self.collectives = collectives
-        self.rank, self.world_size = collectives.rank, collectives.world_size
+        super().__init__(spec, family, device, collectives, args, profile)
         self.hooks = check_hooks(spec.hooks)
         self.output_before = spec.train_output_before_step
         if self.output_before is not None and not 0 <= self.output_before < spec.steps_per_rollout:
