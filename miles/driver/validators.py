@@ -136,14 +136,15 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--overwrite-save needs --save (the directory to start afresh in)")
     if args.gpu_memory_gb is not None and not args.dry_run:
         reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
+    groups = group_layout(args)
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
         loads = {
             os.path.realpath(group.checkpoint.load): group.role
-            for group in group_layout(args)
+            for group in groups
             if group.checkpoint.load
         }
-        for name, path in group_paths(args, ("save",)):
+        for name, path in group_paths(args, ("save",), groups):
             role = loads.get(os.path.realpath(path))
             if role is not None:
                 reject(
@@ -152,7 +153,7 @@ def validate_args(args: argparse.Namespace) -> None:
                 )
     if args.save_hf:
         # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
-        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
+        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args, groups))
     validate_keep_best(args)
     validate_number_args(args)
     unused(
@@ -254,12 +255,12 @@ def group_paths(
     return paths
 
 
-def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+def run_paths(args: argparse.Namespace, groups: list[GroupSpec] | None = None) -> list[tuple[str, str]]:
     """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
     trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
-    method's ``--critic-load``)."""
+    method's ``--critic-load``); ``groups``: :func:`group_layout`'s, when already laid out."""
     paths = []
-    for group in group_layout(args):
+    for group in group_layout(args) if groups is None else groups:
         for name, value in group.paths().items():
             if value:
                 generic = GroupSpec.PATH_FLAGS[name]
