@@ -24,10 +24,10 @@ __all__ = ["check_weights", "validate_inputs"]
 def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSpec:
     """Every check of the files and code a command names, in this order:
 
-    1. ``--diffusion-model-family`` is a registered name or imports a complete family class; every hook path
-       (``--custom-*-path``, ``--diffusion-step-strategy-path``, the method's, ``--eval-function-path``) imports
-       and names a callable (:func:`miles.driver.specs.resolve_hooks`); then the run's specs are built from them
-       (:func:`miles.driver.specs.build_run_spec`), and every check below reads its groups and data from them;
+    1. every hook path (``--custom-*-path``, ``--diffusion-step-strategy-path``, the method's,
+       ``--eval-function-path``) imports and names a callable (:func:`miles.driver.specs.resolve_hooks`); the run's
+       specs are built from them (:func:`miles.driver.specs.build_run_spec`; ``--diffusion-model-family`` is a
+       registered name or imports a complete family class), and every check below reads its groups and data there;
     2. ``--load`` holds a complete, readable newest checkpoint of this command (``preflight_checkpoint``);
     3. with ``check_paths``, the pipelines (:func:`_check_pipelines`): every group's init and teacher are pipeline
        directories of the student's family that take its latents and prompt encodings, can be guided as asked, and
@@ -53,15 +53,8 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
     from miles.driver.specs import build_run_spec, resolve_hooks
     from miles.driver.validators import group_paths
 
-    override = None
-    if args.diffusion_model_family:
-        from miles.models import family_class
-
-        try:
-            override = family_class(args.diffusion_model_family)
-        except ValueError as exc:
-            reject(str(exc))
     run = build_run_spec(args, resolve_hooks(args))
+    override = run.engine.family if args.diffusion_model_family else None
     groups = list(run.groups)
     if args.load:
         check_load(args, groups)

@@ -117,14 +117,22 @@ def engine_spec(args: argparse.Namespace, hooks: UserHooks, family: type) -> Eng
 
 def family_class(args: argparse.Namespace) -> type | None:
     """The model family class of the command: ``--diffusion-model-family``, else the registered family of the
-    student pipeline's ``model_index.json``; None when neither can be read here (a ``--dry-run`` for a cluster's
-    paths: preflight refuses a real run's unreadable pipeline or family before this)."""
+    student pipeline's ``model_index.json``; None when that cannot be read here (a ``--dry-run`` for a cluster's
+    paths: preflight refuses a real run's unreadable pipeline).
+
+    Raises:
+        ArgumentValidationError: for a ``--diffusion-model-family`` that is no registered name and imports no
+            complete family class.
+    """
     from miles.models.registry import family_class as by_name
     from miles.models.registry import family_class_for_pipeline
 
-    try:
-        if args.diffusion_model_family:
+    if args.diffusion_model_family:
+        try:
             return by_name(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
+    try:
         return family_class_for_pipeline(args.hf_checkpoint)
     except (OSError, ValueError):
         return None
@@ -134,7 +142,7 @@ def build_run_spec(args: argparse.Namespace, hooks: UserHooks | None = None) -> 
     """The run's specs from the parsed (validated) command; ``hooks`` default: :func:`resolve_hooks`.
 
     Raises:
-        ArgumentValidationError: for a bad hook path.
+        ArgumentValidationError: for a bad hook path or ``--diffusion-model-family``.
     """
     hooks = resolve_hooks(args) if hooks is None else hooks
     family = family_class(args)
