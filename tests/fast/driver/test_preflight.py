@@ -122,7 +122,7 @@ def test_dmd2_load_needs_the_critic_checkpoint_of_the_committed_rollout(tmp_path
 
 def test_one_pass_reads_each_file_the_command_names_once(tmp_path, monkeypatch):
     """A DMD2 command whose teacher is the student's pipeline and whose records share a prompt cache: the pass opens
-    model_index.json, the denoiser's weights, the data file and each cached cond once (a real digits pipeline; the
+    model_index.json, the denoiser's config and weights, the data file and each cached cond once (a real digits pipeline; the
     opens are counted, nothing is mocked)."""
     import builtins
     import collections
@@ -160,5 +160,11 @@ def test_one_pass_reads_each_file_the_command_names_once(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "open", counting_open)
     validate_inputs(args)
     weights = "digits/transformer/diffusion_pytorch_model.safetensors"
-    for name in ("digits/model_index.json", weights, "prompts.jsonl", "cond/a.safetensors"):
+    for name in (
+        "digits/model_index.json",
+        "digits/transformer/config.json",
+        weights,
+        "prompts.jsonl",
+        "cond/a.safetensors",
+    ):
         assert opened[name] == 1, (name, dict(opened))
