@@ -70,7 +70,8 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
     family, shape = _check_pipelines(args, pipelines, override, run.engine.family, method.guided_pipelines(args))
     spec = run.engine.data
     data = DataCheck(family, shape, spec, args.hf_checkpoint)
-    data.records("--prompt-data", spec.prompt_data, "--train-only trains on every record's image" * spec.train_only)
+    train = "--train-only trains on every record's image" if spec.train_only else ""
+    data.records("--prompt-data", spec.prompt_data, train)
     if args.eval_interval and args.eval_prompt_data:
         data.records("--eval-prompt-data", args.eval_prompt_data)
     # The method's data files: those dealt beside the prompts (the GAN's real data) and those read at evaluations.

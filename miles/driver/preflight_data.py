@@ -118,7 +118,7 @@ class DataCheck:
             where = f"{flag} {path} record {number} (prompt {record[input_key]!r})"
             image, latent, cond = record.get(image_key), record.get(latent_key), record.get(cond_key)
             if isinstance(cond, str):
-                self._cond(where, self._file(where, base, cond, "cond"))
+                self.cond_file(where, self._file(where, base, cond, "cond"))
             if not train:
                 continue
             if image is None and not isinstance(latent, str):
@@ -163,7 +163,9 @@ class DataCheck:
                 f"{self.family.name}; write it again with this pipeline (python -m miles.rollout.{command})"
             )
 
-    def _cond(self, where: str, file: Path) -> None:
+    def cond_file(self, where: str, file: Path) -> None:
+        """A cached cond file (named in messages after ``where``) is a whole safetensors file of the run's family
+        with the tensors of the first one seen; each file is checked once."""
         header = self._header(where, file, "cond")
         if header is None:
             return
@@ -202,4 +204,4 @@ def check_negative_cond(data: DataCheck, path: str) -> None:
     """
     if not Path(path).is_file():
         reject(f"--negative-cond {path} does not exist; pass a .safetensors cond file (miles.rollout.prompt_cache)")
-    data._cond("--negative-cond", Path(path))
+    data.cond_file("--negative-cond", Path(path))
