@@ -423,7 +423,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     from miles.driver.arguments import parse_args
     from miles.driver.preflight import validate_inputs
-    from miles.driver.specs import build_run_spec
     from miles.utils.log import setup_logging
     from miles.utils.validation import ArgumentValidationError
 
@@ -431,24 +430,23 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level)
     _importable_working_dir()
     try:
-        # Hooks (imported once), --load, pipelines, data and outputs before Ray starts, in a dry run too; then the
-        # run's specs, from the hooks the checks imported.
-        hooks = validate_inputs(args)
+        # Hooks (imported once) and the run's specs, then --load, pipelines, data and outputs, checked against the
+        # specs before Ray starts, in a dry run too.
+        run = validate_inputs(args)
     except ArgumentValidationError as exc:
         _fail(str(exc), 2)
     if args.teacher_lora and not args.dry_run:
+        from miles.driver.specs import build_run_spec
         from miles.models.teacher_lora import apply_teacher_loras
 
-        # Before the specs: every group and the engine then read the fused pipeline like any other (a dry run plans
-        # the same shapes from the teacher as given).
+        # Every group and the engine then read the fused pipeline like any other, so the specs are built again from
+        # the flags that now name it (the hooks' modules are already imported); a dry run plans the same shapes
+        # from the teacher as given.
         try:
             logger.info("teacher LoRAs fused into %s", apply_teacher_loras(args))
+            run = build_run_spec(args)
         except ValueError as exc:
             _fail(str(exc), 2)
-    try:
-        run = build_run_spec(args, hooks)
-    except ArgumentValidationError as exc:
-        _fail(str(exc), 2)
     if args.dry_run:
         from miles.driver.plan import log_plan
 

@@ -617,7 +617,7 @@ def text_encoder_memory(args) -> TextEncoderMemory | None:
         RuntimeError: for a family whose text encoder package is missing (digits).
     """
     from miles.backends.fsdp_utils.model import resolve_dtype
-    from miles.driver.preflight_models import safetensors_header
+    from miles.driver.preflight_data import safetensors_header
     from miles.models import get_model_family
 
     reason = _encoded_at_run_time(args)

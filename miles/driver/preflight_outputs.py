@@ -1,56 +1,52 @@
 """Preflight of the outputs: every directory the run writes takes files, holds room for its checkpoints, and does
 not hold another run's checkpoints.
 
-Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`). Writability is probed by
-creating and removing one file where each output is (or would be created), so nothing is left behind. The space
-estimate per checkpoint of a group is its denoiser's parameters (from the safetensors headers) × 4 bytes ×
-(weights + AdamW's two moments + the EMA when kept), 5% over for the metadata and extra modules; the export is the
-student's denoiser in float32, plus the whole pipeline when it cannot hard-link across filesystems.
+Run by the driver before Ray starts (:func:`miles.driver.preflight.validate_inputs`, :func:`check_outputs`).
+Writability is probed by creating and removing one file where each output is (or would be created), so nothing is
+left behind. The space estimate per checkpoint of a group is its denoiser's parameters (from the safetensors headers)
+× 4 bytes × (weights + AdamW's two moments + the EMA when kept), 5% over for the metadata and extra modules; the
+export is the student's denoiser in float32, plus the whole pipeline when it cannot hard-link across filesystems.
 """
 
 import argparse
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
 
-from miles.utils.paths import nearest_existing, probe_writable
+from miles.config import GroupSpec
+from miles.models.base import DENOISER
+from miles.utils.paths import nearest_existing, path_relation, probe_writable
 from miles.utils.validation import reject
 
-__all__ = ["check_disk_space", "check_save_dirs", "check_writable", "estimate_needs"]
+__all__ = ["check_disk_space", "check_outputs", "denoiser_numel", "estimate_needs"]
 
 logger = logging.getLogger(__name__)
 
 MB = 1 << 20
 
 
-def output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """``(flag, path)`` of every directory the run writes: each group's ``--save``, ``--output-dir``, where
-    ``--save-hf`` goes, and ``--profile-dir`` when traces are asked for."""
-    from miles.driver.arguments import group_paths
-
-    paths = group_paths(args, ("save",))
-    if args.output_dir:
-        paths.append(("--output-dir", args.output_dir))
-    if args.save_hf:
-        paths.append(("--save-hf", args.save_hf))
-    if args.profile_dir and args.profile_rollouts is not None:
-        paths.append(("--profile-dir", args.profile_dir))
-    return paths
-
-
-def check_writable(args: argparse.Namespace) -> None:
-    """Every output directory is a directory (or can be created) and takes new files, and none is or lies inside a
-    pipeline a group loads (checkpoints written into the teacher's directory would fill it).
+def check_outputs(args: argparse.Namespace, groups: list[GroupSpec], pipelines: list[tuple[str, str]]) -> None:
+    """Every directory the run writes (each group's ``--save``, ``--output-dir``, ``--save-hf``, ``--profile-dir``
+    when traces are asked for) is a directory (or can be created) and takes new files, and none is or lies inside
+    one of the ``pipelines`` the groups load (checkpoints written into the teacher's directory would fill it); no
+    ``--save`` holds another run's checkpoints (:func:`_check_save_dirs`); the first save fits on its filesystem
+    (:func:`check_disk_space`).
 
     Raises:
         ArgumentValidationError: naming the flag, the path and why not.
     """
-    from miles.driver.arguments import group_paths
-    from miles.utils.paths import path_relation
+    from miles.driver.validators import group_paths
 
-    pipelines = group_paths(args, ("hf_checkpoint", "teacher_load"))
-    for name, path in output_paths(args):
+    outputs = group_paths(args, ("save",), groups)
+    if args.output_dir:
+        outputs.append(("--output-dir", args.output_dir))
+    if args.save_hf:
+        outputs.append(("--save-hf", args.save_hf))
+    if args.profile_dir and args.profile_rollouts is not None:
+        outputs.append(("--profile-dir", args.profile_dir))
+    for name, path in outputs:
         for pipeline_flag, pipeline in pipelines:
             relation = path_relation(path, pipeline)
             # --save-hf has its own rules (check_export_target); a directory that contains a pipeline is harmless.
@@ -63,9 +59,23 @@ def check_writable(args: argparse.Namespace) -> None:
         problem = probe_writable(path)
         if problem is not None:
             reject(f"{name} {path} is not writable: {problem}")
+    _check_save_dirs(args, groups)
+    check_disk_space(args, groups)
 
 
-def check_save_dirs(args: argparse.Namespace) -> None:
+def denoiser_numel(pipeline: str) -> int:
+    """Parameters of the pipeline's denoiser, from its safetensors headers (0 when it has none)."""
+    from miles.driver.preflight_data import safetensors_header
+
+    total = 0
+    for path in sorted((Path(pipeline) / DENOISER).glob("*.safetensors")):
+        for key, info in safetensors_header(path).items():
+            if key != "__metadata__":
+                total += math.prod(info["shape"])
+    return total
+
+
+def _check_save_dirs(args: argparse.Namespace, groups: list[GroupSpec]) -> None:
     """``--save`` into a directory holding checkpoints (``latest``, ``rollout_*``) of another run needs ``--load``
     of that directory (a resume) or ``--overwrite-save``; a run never mixes its checkpoints with another's.
 
@@ -80,9 +90,7 @@ def check_save_dirs(args: argparse.Namespace) -> None:
     resuming = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
     if resuming:
         return
-    from miles.driver.validators import group_layout
-
-    for group in group_layout(args):
+    for group in groups:
         role, save = group.role, group.checkpoint.save
         if not save:
             continue  # a frozen group (the DMD2 reward group) saves nothing
@@ -105,11 +113,12 @@ def check_save_dirs(args: argparse.Namespace) -> None:
         reject(f"{where} {save} holds checkpoints of another run ({shown}); {fix}, or pick a new --save")
 
 
-def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
+def estimate_needs(args: argparse.Namespace, groups: list[GroupSpec] | None = None) -> dict[int, dict]:
     """Bytes the run writes per filesystem: ``{st_dev: {"one": one save of every group (and the export), "all": the
-    run's peak, "paths": [flags]}}``."""
-    from miles.driver.preflight_models import denoiser_numel
+    run's peak, "paths": [flags]}}``; ``groups``: the run's (default: :func:`~miles.driver.validators.group_layout`).
+    """
     from miles.driver.schedule import should_save
+    from miles.driver.validators import group_layout
 
     needs: dict[int, dict] = {}
 
@@ -133,9 +142,7 @@ def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
             if args.save_keep_every:
                 spared = sum(1 for r in range(start, args.num_rollout) if (r + 1) % args.save_keep_every == 0)
             kept = min(saves, args.save_keep_last + 1 + spared)
-        from miles.driver.validators import group_layout
-
-        for group in group_layout(args):
+        for group in group_layout(args) if groups is None else groups:
             if not group.checkpoint.save:
                 continue
             copies = 3 + (1 if group.ema is not None else 0)
@@ -152,14 +159,14 @@ def estimate_needs(args: argparse.Namespace) -> dict[int, dict]:
     return needs
 
 
-def check_disk_space(args: argparse.Namespace) -> None:
+def check_disk_space(args: argparse.Namespace, groups: list[GroupSpec] | None = None) -> None:
     """Refuse a run whose first save (or export) cannot fit on its filesystem; warn when the run's checkpoints, at
     their peak, may not.
 
     Raises:
         ArgumentValidationError: naming the paths, the free and the needed space.
     """
-    for entry in estimate_needs(args).values():
+    for entry in estimate_needs(args, groups).values():
         free = shutil.disk_usage(entry["free_at"]).free
         paths = ", ".join(entry["paths"])
         if free < entry["one"]:

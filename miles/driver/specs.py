@@ -86,36 +86,25 @@ def resolve_hooks(args: argparse.Namespace) -> UserHooks:
 
 def data_spec(args: argparse.Namespace) -> DataSpec:
     """The prompts and the data keys of the command."""
-    return DataSpec(
-        prompt_data=args.prompt_data,
-        input_key=args.input_key,
-        image_key=args.image_key,
-        condition_image_key=args.condition_image_key,
-        latent_key=args.latent_key,
-        cond_key=args.cond_key,
-        train_only=args.train_only,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.n_samples_per_prompt,
-        seed=args.rollout_seed,
-        shuffle=args.rollout_shuffle,
+    same = (
+        "prompt_data input_key image_key condition_image_key latent_key cond_key train_only rollout_batch_size "
+        "n_samples_per_prompt"
     )
+    values = {name: vars(args)[name] for name in same.split()}  # the fields named as their flags
+    return DataSpec(**values, seed=args.rollout_seed, shuffle=args.rollout_shuffle)
 
 
 def engine_spec(args: argparse.Namespace, hooks: UserHooks, family: type) -> EngineSpec:
-    """The student's sampler: the user's converter and step strategy where set, the method's elsewhere.
-
-    Raises:
-        ArgumentValidationError: when neither the user nor the method gives a converter.
-    """
+    """The student's sampler: the user's converter and step strategy where set, the method's elsewhere (a command
+    with neither converter is refused by ``parse_args``)."""
     method = get_method(args)
-    converter = hooks.converter or method.converter(args)
-    if converter is None:
-        reject(f"--loss-type {method.name} needs --custom-expand-samples-to-train-pairs-path (the converter)")
     timesteps = args.diffusion_timesteps
+    same = "negative_prompt negative_prompt_origin negative_cond micro_batch_size"
     return EngineSpec(
+        **{name: vars(args)[name] for name in same.split()},  # the fields named as their flags
         family=family,
         pipeline=args.hf_checkpoint,
-        converter=converter,
+        converter=hooks.converter or method.converter(args),
         num_steps=args.diffusion_num_steps,
         flow_shift=args.diffusion_flow_shift,
         timesteps=tuple(timesteps) if timesteps else None,
@@ -123,11 +112,7 @@ def engine_spec(args: argparse.Namespace, hooks: UserHooks, family: type) -> Eng
         step_rule=args.diffusion_step_rule,
         step_strategy=hooks.step_strategy or method.step_strategy(args),
         encode_negative=bool(args.encode_negative_prompt),
-        negative_prompt=args.negative_prompt,
-        negative_prompt_origin=args.negative_prompt_origin,
-        negative_cond=args.negative_cond,
         dtype=args.train_dtype,
-        micro_batch_size=args.micro_batch_size,
         seed=args.rollout_seed,
         data=data_spec(args),
     )
@@ -135,14 +120,22 @@ def engine_spec(args: argparse.Namespace, hooks: UserHooks, family: type) -> Eng
 
 def family_class(args: argparse.Namespace) -> type | None:
     """The model family class of the command: ``--diffusion-model-family``, else the registered family of the
-    student pipeline's ``model_index.json``; None when neither can be read here (a ``--dry-run`` for a cluster's
-    paths: preflight refuses a real run's unreadable pipeline or family before this)."""
+    student pipeline's ``model_index.json``; None when that cannot be read here (a ``--dry-run`` for a cluster's
+    paths: preflight refuses a real run's unreadable pipeline).
+
+    Raises:
+        ArgumentValidationError: for a ``--diffusion-model-family`` that is no registered name and imports no
+            complete family class.
+    """
     from miles.models.registry import family_class as by_name
     from miles.models.registry import family_class_for_pipeline
 
-    try:
-        if args.diffusion_model_family:
+    if args.diffusion_model_family:
+        try:
             return by_name(args.diffusion_model_family)
+        except ValueError as exc:
+            reject(str(exc))
+    try:
         return family_class_for_pipeline(args.hf_checkpoint)
     except (OSError, ValueError):
         return None
@@ -152,7 +145,7 @@ def build_run_spec(args: argparse.Namespace, hooks: UserHooks | None = None) -> 
     """The run's specs from the parsed (validated) command; ``hooks`` default: :func:`resolve_hooks`.
 
     Raises:
-        ArgumentValidationError: for a bad hook path.
+        ArgumentValidationError: for a bad hook path or ``--diffusion-model-family``.
     """
     hooks = resolve_hooks(args) if hooks is None else hooks
     family = family_class(args)

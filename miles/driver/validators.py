@@ -30,6 +30,7 @@ __all__ = [
     "group_paths",
     "method_flag_dests",
     "run_paths",
+    "unused",
     "validate_args",
     "validate_batch_args",
     "validate_keep_best",
@@ -167,14 +168,15 @@ def validate_args(args: argparse.Namespace) -> None:
         reject("--overwrite-save needs --save (the directory to start afresh in)")
     if args.gpu_memory_gb is not None and not args.dry_run:
         reject("--gpu-memory-gb is read by --dry-run's memory plan only: add --dry-run, or remove it")
+    groups = group_layout(args)
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
         loads = {
             os.path.realpath(group.checkpoint.load): group.role
-            for group in group_layout(args)
+            for group in groups
             if group.checkpoint.load
         }
-        for name, path in group_paths(args, ("save",)):
+        for name, path in group_paths(args, ("save",), groups):
             role = loads.get(os.path.realpath(path))
             if role is not None:
                 reject(
@@ -183,11 +185,26 @@ def validate_args(args: argparse.Namespace) -> None:
                 )
     if args.save_hf:
         # Never in, over or under a directory the run reads or writes; an existing pipeline only when asked.
-        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args))
+        check_export_target(args.save_hf, args.hf_checkpoint, args.overwrite_save_hf, run_paths(args, groups))
     validate_keep_best(args)
     validate_number_args(args)
+    unused(
+        args,
+        {"eval_prompt_data": None, "eval_max_prompts": 100, "eval_n_samples_per_prompt": 1},
+        args.eval_interval,
+        "is read by the evaluations only: set --eval-interval N to evaluate every N rollouts, or remove it",
+    )
     validate_lora_args(args)
     get_method(args).validate(args)
+
+
+def unused(args: argparse.Namespace, defaults: dict[str, Any], enabled: Any, why: str) -> None:
+    """The flags of a feature that is off (not ``enabled``) change nothing: one set away from its default
+    (``{dest: default}``) is rejected as ``"<flag> <why>"``."""
+    if not enabled:
+        for dest, default in defaults.items():
+            if getattr(args, dest) != default:
+                reject(f"{flag(dest)} {why}")
 
 
 def validate_keep_best(args: argparse.Namespace) -> None:
@@ -221,14 +238,12 @@ def validate_lora_args(args: argparse.Namespace) -> None:
     ``--lora-rank`` is rejected, as it would change nothing."""
     from miles.models.lora import LoraFlags, check_lora_flags
 
-    if not args.lora_rank:
-        for name, value, default in (
-            ("--lora-alpha", args.lora_alpha, None),
-            ("--lora-target-modules", args.lora_target_modules, None),
-            ("--lora-dropout", args.lora_dropout, 0.0),
-        ):
-            if value != default:
-                reject(f"{name} is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank")
+    unused(
+        args,
+        {"lora_alpha": None, "lora_target_modules": None, "lora_dropout": 0.0},
+        args.lora_rank,
+        "is read with --lora-rank > 0 only (the student trains full weights): add --lora-rank",
+    )
     check_lora_flags(
         "--",
         LoraFlags(args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout),
@@ -272,12 +287,14 @@ def group_layout(args: argparse.Namespace) -> list[GroupSpec]:
 _PATHS = {"hf_checkpoint": "init", "teacher_load": "teacher", "load": "load", "save": "save"}
 
 
-def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[str, str]]:
+def group_paths(
+    args: argparse.Namespace, dests: tuple[str, ...], groups: list[GroupSpec] | None = None
+) -> list[tuple[str, str]]:
     """``(flag, path)`` of the paths ``dests`` name over all trainer groups, each path once, the actor's first
     where groups share one. Each is labelled as its group's spec names it (:meth:`GroupSpec.path_label`): the
     critic's init is ``--critic-load`` (or the ``--teacher-load`` it defaults to), its save directory "the critic
-    group's --save"."""
-    groups = sorted(group_layout(args), key=lambda group: group.role != "actor")
+    group's --save". ``groups``: :func:`group_layout`'s, when already laid out."""
+    groups = sorted(group_layout(args) if groups is None else groups, key=lambda group: group.role != "actor")
     paths, seen = [], set()
     for group in groups:
         for dest in dests:
@@ -289,12 +306,12 @@ def group_paths(args: argparse.Namespace, dests: tuple[str, ...]) -> list[tuple[
     return paths
 
 
-def run_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+def run_paths(args: argparse.Namespace, groups: list[GroupSpec] | None = None) -> list[tuple[str, str]]:
     """``(flag, path)`` of every model, checkpoint and run directory the command reads or writes, over all its
     trainer groups in training order (a group's ``--save`` may be a sibling such as ``<save>_critic``, its init the
-    method's ``--critic-load``)."""
+    method's ``--critic-load``); ``groups``: :func:`group_layout`'s, when already laid out."""
     paths = []
-    for group in group_layout(args):
+    for group in group_layout(args) if groups is None else groups:
         for name, value in group.paths().items():
             if value:
                 generic = GroupSpec.PATH_FLAGS[name]

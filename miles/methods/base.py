@@ -26,27 +26,9 @@ __all__ = [
     "optimizer_spec",
     "register_method",
     "replace_hooks",
-    "require_teacher_consumer",
     "schedule_spec",
     "student_group",
 ]
-
-
-def require_teacher_consumer(args: argparse.Namespace) -> None:
-    """``--teacher-load`` needs a hook that reads ``ctx.teacher_models``: one the user set (a method's own prepare and
-    loss hooks read no teacher)."""
-    if args.teacher_load is None:
-        return
-    user_hooks = (
-        args.custom_prepare_train_batch_path,
-        args.custom_loss_function_path,
-        args.custom_train_output_function_path,
-    )
-    if all(path is None for path in user_hooks):
-        reject(
-            "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
-            "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
-        )
 
 
 def optimizer_spec(args: argparse.Namespace, lr: float) -> OptimizerSpec:
@@ -136,7 +118,19 @@ class Method:
         """Fill what this method needs where the user left it unset (the engine's settings, its own flags)."""
 
     def validate(self, args: argparse.Namespace) -> None:
-        """Reject what this method cannot run (``ArgumentValidationError``, one line naming the flags)."""
+        """Reject what this method cannot run (``ArgumentValidationError``, one line naming the flags). Default:
+        ``--teacher-load`` needs a hook that reads ``ctx.teacher_models``, one the user set (a method's own prepare
+        and loss hooks read no teacher; DMD2, which reads it, overrides this)."""
+        user_hooks = (
+            args.custom_prepare_train_batch_path,
+            args.custom_loss_function_path,
+            args.custom_train_output_function_path,
+        )
+        if args.teacher_load is not None and all(path is None for path in user_hooks):
+            reject(
+                "--teacher-load has no consumer: use --loss-type dmd2, or set --custom-prepare-train-batch-path, "
+                "--custom-loss-function-path or --custom-train-output-function-path to a hook that reads it"
+            )
 
     def check_inputs(self, args: argparse.Namespace) -> None:
         """Reject, before Ray starts, what this method's flags ask of the files they name (the driver's preflight

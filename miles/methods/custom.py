@@ -6,7 +6,7 @@ negative prompt's cond asks for it with ``--encode-negative-prompt``.
 
 import argparse
 
-from miles.methods.base import Method, register_method, require_teacher_consumer
+from miles.methods.base import Method, register_method
 from miles.utils.validation import reject
 
 __all__ = ["CustomMethod"]
@@ -23,4 +23,4 @@ class CustomMethod(Method):
                 "--loss-type custom_loss needs --custom-prepare-train-batch-path and --custom-loss-function-path "
                 "(and the converter, --custom-expand-samples-to-train-pairs-path)"
             )
-        require_teacher_consumer(args)
+        super().validate(args)

@@ -313,18 +313,14 @@ class DMD2Method(Method):
 
     def set_defaults(self, args: argparse.Namespace) -> None:
         # The critic starts from the teacher at the student's learning rate and LoRA, unless told otherwise.
-        if args.critic_load is None:
-            args.critic_load = args.teacher_load
-        if args.critic_lr is None:
-            args.critic_lr = args.lr
-        if args.critic_lora_rank is None:
-            args.critic_lora_rank = args.lora_rank
-        if args.critic_lora_alpha is None:
-            args.critic_lora_alpha = args.lora_alpha
-        if args.critic_lora_target_modules is None:
-            args.critic_lora_target_modules = args.lora_target_modules
-        if args.critic_lora_dropout is None:
-            args.critic_lora_dropout = args.lora_dropout
+        values = vars(args)
+        for critic, source in (
+            ("critic_load", "teacher_load"),
+            ("critic_lr", "lr"),
+            *((f"critic_{name}", name) for name in ("lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout")),
+        ):
+            if values[critic] is None:
+                values[critic] = values[source]
         fill_teacher_guidance(args)
 
     def validate(self, args: argparse.Namespace) -> None:

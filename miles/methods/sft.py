@@ -12,7 +12,7 @@ from typing import Any
 
 from miles.backends.fsdp_utils.loss_hub import sft as sft_loss
 from miles.config import GroupHooks
-from miles.methods.base import Method, register_method, require_teacher_consumer
+from miles.methods.base import Method, register_method
 from miles.ray.data_conversion_hub import sft as sft_conversion
 
 __all__ = ["SFTMethod"]
@@ -32,9 +32,6 @@ class SFTMethod(Method):
     def set_defaults(self, args: argparse.Namespace) -> None:
         if args.sft_uncond_prob > 0:
             args.encode_negative_prompt = True
-
-    def validate(self, args: argparse.Namespace) -> None:
-        require_teacher_consumer(args)
 
     def export_schedule(self, args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any] | None:
         """An SFT model samples like its source (a teacher: the source's scheduler, untouched)."""

@@ -82,7 +82,7 @@ def serve(cases: list[dict]) -> list[dict]:
 
     import miles.driver.arguments  # noqa: F401
     import miles.driver.preflight  # noqa: F401
-    import miles.driver.preflight_models  # noqa: F401
+    import miles.driver.preflight_data  # noqa: F401
     import miles.driver.preflight_outputs  # noqa: F401
     import miles.models.digits  # noqa: F401
     import miles.rollout.data_source  # noqa: F401

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.backends.fsdp_utils.context_parallel import dp_rank_of
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics
 from miles.backends.fsdp_utils.sleep import SleepController
-from miles.backends.fsdp_utils.trainer import host_means, reduce_step_metrics, run_train_input, timed
+from miles.backends.fsdp_utils.trainer import GroupRank, host_means, reduce_step_metrics, run_train_input, timed
 from miles.config import GroupSpec, ProfileSpec
 from miles.utils.collectives import Collectives
 from miles.utils.profiling import profiled
@@ -58,7 +57,7 @@ class FrozenModelSet:
         return {"parameters": 0, "gradients": 0, "optimizer": 0, "frozen": 0}
 
 
-class FrozenGroupRunner:
+class FrozenGroupRunner(GroupRank):
     """One rank of a frozen group: :meth:`train` runs the train-output hook once per rollout, nothing else.
 
     Args:
@@ -94,40 +93,12 @@ class FrozenGroupRunner:
             raise ValueError(
                 f"the frozen {spec.role} group needs --custom-train-output-function-path; it trains nothing"
             )
-        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
-        self.args, self.profile, self.collectives = args, profile, collectives
-        self.rank, self.world_size = collectives.rank, collectives.world_size
-        self.dp_rank = dp_rank_of(self.rank, context_parallel_size)
-        self.dp_size = self.world_size // context_parallel_size
+        super().__init__(spec, family, device, collectives, args, profile, context_parallel_size)
         self.hooks = spec.hooks
         self.models = FrozenModelSet()
         self.sleeper = SleepController([], None, device)
         self.gradient_bytes = 0  # no gradient is ever held
-
-    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
-        """Refuse to compute while asleep (only the driver wakes a group).
-
-        Raises:
-            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
-        """
-        if self.sleeper.asleep:
-            when = "" if rollout_id is None else f" (rollout {rollout_id})"
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
-
-    def context(self, rollout_id: int | str, external: dict[str, Any]) -> TrainContext:
-        """What the hooks see: no models, float32 (the hook chooses its own dtypes)."""
-        return TrainContext(
-            args=self.args,
-            models={},
-            teacher_models={},
-            external_data=external,
-            family=self.family,
-            device=self.device,
-            dtype=torch.float32,
-            rollout_id=rollout_id,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        )
+        self.dtype = torch.float32  # in the hooks' context: the hook chooses its own dtypes
 
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
@@ -146,7 +117,7 @@ class FrozenGroupRunner:
                     self.hooks, self.context(rollout_id, external), pairs, self.collectives, self.role
                 )
             timers = {"train_output_time": 0.0}
-            figures: dict[str, list[float | torch.Tensor]] = {}
+            figures: Metrics = {}
             output = timed(
                 timers, "train_output_time", self.device, self._output, rollout_id, external, pairs, figures
             )

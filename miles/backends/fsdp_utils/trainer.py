@@ -41,7 +41,7 @@ from miles.backends.fsdp_utils.hooks import (
     metric_key,
     split_windows,
 )
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, TrainContext
 from miles.backends.fsdp_utils.model import compute_context, resolve_dtype, window_sync
 from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local_bytes
 from miles.backends.fsdp_utils.optimizer import apply_optimizer_spec, clip_grad_norm_
@@ -176,7 +176,59 @@ def run_train_input(
     return pairs
 
 
-class GroupTrainer:
+class GroupRank:
+    """What every rank of a trainer group shares, trained (:class:`GroupTrainer`) or frozen
+    (:class:`~miles.backends.fsdp_utils.frozen_trainer.FrozenGroupRunner`): the awake check and its hooks' context.
+    A subclass sets ``role``, ``args``, ``family``, ``device``, ``dtype``, ``rank``, ``world_size``, ``models`` (its
+    ``trainable`` and ``frozen`` modules) and ``sleeper``; :meth:`__init__` sets those both read from their
+    constructor's arguments."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        family: Any,
+        device: torch.device,
+        collectives: Collectives,
+        args: Any,
+        profile: Any,
+        context_parallel_size: int = 1,
+    ) -> None:
+        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
+        self.args, self.profile, self.collectives = args, profile, collectives
+        self.rank, self.world_size = collectives.rank, collectives.world_size
+        # A context-parallel group's ranks split one sample's sequence: the hooks see their DP rank and DP size.
+        self.dp_rank = dp_rank_of(self.rank, context_parallel_size)
+        self.dp_size = self.world_size // context_parallel_size
+
+    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
+        """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
+        that held the shared GPU to sleep); a group that woke itself would sit on the GPU beside the other one.
+
+        Raises:
+            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
+        """
+        if self.sleeper.asleep:
+            when = "" if rollout_id is None else f" (rollout {rollout_id})"
+            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
+
+    def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int = 0) -> TrainContext:
+        """What a hook sees for one micro-batch."""
+        return TrainContext(
+            args=self.args,
+            models=dict(self.models.trainable),
+            teacher_models=self.models.frozen,
+            external_data=external,
+            family=self.family,
+            device=self.device,
+            dtype=self.dtype,
+            rollout_id=rollout_id,
+            microbatch_id=microbatch_id,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        )
+
+
+class GroupTrainer(GroupRank):
     """One rank of a trainer group: its model set, hooks and window loop.
 
     Args:
@@ -215,12 +267,9 @@ class GroupTrainer:
     ) -> None:
         if not spec.trains:
             raise ValueError(f"the {spec.role} group's spec has no model source: it is frozen (FrozenGroupRunner)")
-        self.spec, self.role, self.family, self.device = spec, spec.role, family, device
-        self.args, self.profile = args, profile
-        self.collectives = collectives
-        self.rank, self.world_size = collectives.rank, collectives.world_size
-        cp = 1 if cp_mesh is None else cp_mesh.size()
-        self.dp_rank, self.dp_size = dp_rank_of(self.rank, cp), self.world_size // cp
+        super().__init__(
+            spec, family, device, collectives, args, profile, 1 if cp_mesh is None else cp_mesh.size()
+        )
         self.hooks = check_hooks(spec.hooks)
         self.output_before = spec.train_output_before_step
         if self.output_before is not None and not 0 <= self.output_before < spec.steps_per_rollout:
@@ -242,36 +291,9 @@ class GroupTrainer:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.gradient_bytes = 0
-        self._output_metrics: dict[str, list[float | torch.Tensor]] = {}
+        self._output_metrics: Metrics = {}
 
     # -- the rollout ---------------------------------------------------------------------------------------------
-    def check_awake(self, what: str, rollout_id: int | str | None = None) -> None:
-        """Refuse to compute while asleep. Only the driver wakes a group (``DeviceTurns``, after putting the group
-        that held the shared GPU to sleep); a group that woke itself would sit on the GPU beside the other one.
-
-        Raises:
-            RuntimeError: naming the group, ``what`` and the rollout, if the group is asleep.
-        """
-        if self.sleeper.asleep:
-            when = "" if rollout_id is None else f" (rollout {rollout_id})"
-            raise RuntimeError(f"{self.role} group is asleep; call wake_up() before {what}{when}")
-
-    def context(self, rollout_id: int | str, external: dict[str, Any], microbatch_id: int) -> TrainContext:
-        """What a hook sees for one micro-batch."""
-        return TrainContext(
-            args=self.args,
-            models=dict(self.models.trainable),
-            teacher_models=self.models.frozen,
-            external_data=external,
-            family=self.family,
-            device=self.device,
-            dtype=self.dtype,
-            rollout_id=rollout_id,
-            microbatch_id=microbatch_id,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        )
-
     def train(
         self, rollout_id: int, pairs: list[TrainPair], external: dict[str, Any]
     ) -> tuple[Any, list[dict[str, float]], dict[str, float]]:
@@ -340,7 +362,7 @@ class GroupTrainer:
         stay the trainer's."""
         window_pairs = sum(len(mb) for mb in micro_batches)
         # Filled by the loss hook with per-pair tensors; moved to the host once, in apply_gradients.
-        hook_metrics: dict[str, list[float | torch.Tensor]] = {}
+        hook_metrics: Metrics = {}
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, micro_batch in enumerate(micro_batches):
             ctx = self.context(rollout_id, external, first_microbatch_id + j)

@@ -304,3 +304,19 @@ def test_parsing_the_command_line_loads_no_diffusers_module():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_evaluation_settings_without_evaluations_are_refused_and_their_defaults_are_the_parsers():
+    base = [*BASE, "--rollout-batch-size", "4"]
+    for name, value in (
+        ("--eval-max-prompts", "8"),
+        ("--eval-n-samples-per-prompt", "2"),
+        ("--eval-prompt-data", "e"),
+    ):
+        message = _rejected([*base, name, value])
+        assert message == f"{name} is read by the evaluations only: set --eval-interval N to evaluate every N " \
+            "rollouts, or remove it"  # fmt: skip
+    parser = build_parser()
+    defaults = [str(parser.get_default(dest)) for dest in ("eval_max_prompts", "eval_n_samples_per_prompt")]
+    _validate([*base, "--eval-max-prompts", defaults[0], "--eval-n-samples-per-prompt", defaults[1]])
+    _validate([*base, "--eval-interval", "1", "--eval-max-prompts", "8", "--eval-prompt-data", "e"])

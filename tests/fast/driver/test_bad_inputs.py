@@ -105,7 +105,7 @@ def _eval_data_bad(w, d):
 def _gan_real_data_without_image(w, d):
     data = write(d / "real.jsonl", json.dumps({"prompt": "a digit"}) + "\n")
     argv = dmd2(w, d, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", str(data))
-    return argv, f"--dmd2-gan-real-data {data} record 1 (prompt 'a digit') has neither an image"
+    return argv, f"--dmd2-gan-real-data {data} record 1 (prompt 'a digit') has no image under --image-key 'image' nor"
 
 
 def _negative_cond_missing(w, d):
@@ -385,6 +385,63 @@ def _cond_file_missing(w, d):
     )
 
 
+def _cond_cache(d: Path, family: str | None, width: int = 384, count: int = 4) -> Path:
+    """A prompt cache as ``miles.rollout.prompt_cache`` writes it (``family`` in every file's metadata), by hand."""
+    import torch
+    from safetensors.torch import save_file
+
+    (d / "cond").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        tensors = {"encoder_hidden_states": torch.zeros(8, width), "pooled_projections": torch.zeros(width)}
+        metadata = {"prompt": f"p{i}", **({"family": family} if family else {})}
+        save_file(tensors, str(d / "cond" / f"{i}.safetensors"), metadata=metadata)
+    return write(d / "data.jsonl", "".join(json.dumps({"prompt": f"p{i}", "cond": f"cond/{i}.safetensors"}) + "\n"
+                                          for i in range(count)))  # fmt: skip
+
+
+def _cond_of_another_family(w, d):
+    data = _cond_cache(d, "qwen_image")
+    message = (
+        f"--prompt-data {data} record 1 (prompt 'p0'): {d / 'cond' / '0.safetensors'} was written for the qwen_image "
+        f"family, but --hf-checkpoint {w.pipeline} is digits"
+    )
+    return dmd2(w, d, "--prompt-data", str(data)), message
+
+
+def _cond_truncated(w, d):
+    data = _cond_cache(d, "digits")
+    file = d / "cond" / "2.safetensors"
+    file.write_bytes(file.read_bytes()[:-16])
+    return dmd2(w, d, "--prompt-data", str(data)), f"record 3 (prompt 'p2'): cond file {file} is not a readable"
+
+
+def _conds_of_two_caches(w, d):
+    data = _cond_cache(d, None)
+    _cond_cache(d / "other", None, width=256, count=1)
+    (d / "other" / "cond" / "0.safetensors").replace(d / "cond" / "3.safetensors")
+    return (
+        dmd2(w, d, "--prompt-data", str(data)),
+        f"record 4 (prompt 'p3'): cond file {d / 'cond' / '3.safetensors'} h",
+    )
+
+
+def _negative_cond_of_another_family(w, d):
+    _cond_cache(d, "flux", count=1)
+    negative = d / "cond" / "0.safetensors"
+    return dmd2(w, d, "--negative-cond", str(negative)), f"--negative-cond: {negative} was written for the flux family"
+
+
+def _real_latents_of_another_family(w, d):
+    import torch
+    from safetensors.torch import save_file
+
+    (d / "latents").mkdir()
+    save_file({"latent": torch.zeros(1, 8, 8)}, str(d / "latents" / "a.safetensors"), metadata={"family": "sd3"})
+    data = write(d / "real.jsonl", json.dumps({"prompt": "a digit", "latent": "latents/a.safetensors"}) + "\n")
+    argv = dmd2(w, d, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", str(data))
+    return argv, f"{d / 'latents' / 'a.safetensors'} was written for the sd3 family, but --hf-checkpoint"
+
+
 def _gan_feature_block_out_of_range(w, d):
     argv = dmd2(w, d, "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-real-data", str(w.train),
                 "--dmd2-gan-feature-blocks", "1,2")  # fmt: skip
@@ -540,6 +597,18 @@ COMMANDS: dict[str, Callable] = {
         "hunyuan",
         message="--diffusion-model-family hunyuan is unknown; pass a registered name",
     ),
+    # flags that change nothing (issue 34): evaluation settings without evaluations, a trainer that is none
+    "eval-max-prompts-without-evaluation": flag_case(
+        "--eval-max-prompts", "8", message="--eval-max-prompts is read by the evaluations only: set --eval-interval N"
+    ),
+    "eval-prompt-data-without-evaluation": flag_case(
+        "--eval-prompt-data", "{d}/eval.jsonl", message="--eval-prompt-data is read by the evaluations only: set --ev"
+    ),
+    "custom-trainer-not-a-trainer": flag_case(
+        "--custom-trainer-path",
+        "miles.utils.misc.make_generator",
+        message="--custom-trainer-path miles.utils.misc.make_generator is <function make_generator",
+    ),
     # data files
     "prompt-data-missing": flag_case(
         "--prompt-data", "{d}/nope.jsonl", message="--prompt-data {d}/nope.jsonl does not"
@@ -556,6 +625,12 @@ COMMANDS: dict[str, Callable] = {
     "train-image-file-missing": _train_image_file_missing,
     "real-latent-of-another-shape": _real_latent_of_another_shape,
     "cond-file-missing": _cond_file_missing,
+    # data of another model (issue 34): a prompt cache or latents written for another family, a cut cond file
+    "cond-of-another-family": _cond_of_another_family,
+    "cond-truncated": _cond_truncated,
+    "conds-of-two-caches": _conds_of_two_caches,
+    "negative-cond-of-another-family": _negative_cond_of_another_family,
+    "real-latents-of-another-family": _real_latents_of_another_family,
     # pipelines
     "pipeline-missing": flag_case(
         "--hf-checkpoint", "{d}/nope", message="--hf-checkpoint {d}/nope: no such directory"

@@ -118,3 +118,53 @@ def test_dmd2_load_needs_the_critic_checkpoint_of_the_committed_rollout(tmp_path
     _fake_checkpoint(tmp_path / "ckpt", 2, commit=False)
     with pytest.raises(ArgumentValidationError, match="committed rollout 2, the last of --num-rollout 3"):
         validate_inputs(_validate(argv), check_paths=False)
+
+
+def test_one_pass_reads_each_file_the_command_names_once(tmp_path, monkeypatch):
+    """A DMD2 command whose teacher is the student's pipeline and whose records share a prompt cache: the pass opens
+    model_index.json, the denoiser's config and weights, the data file and each cached cond once (a real digits pipeline; the
+    opens are counted, nothing is mocked)."""
+    import builtins
+    import collections
+
+    import torch
+    from safetensors.torch import save_file
+
+    from miles.driver.arguments import parse_args
+    from tests.support.inputs import write_digit_records
+    from tests.support.trainer import make_pipeline
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    (tmp_path / "cond").mkdir()
+    cond = {"encoder_hidden_states": torch.zeros(8, 384), "pooled_projections": torch.zeros(384)}
+    save_file(cond, str(tmp_path / "cond" / "a.safetensors"), metadata={"family": "digits"})
+    records = write_digit_records(tmp_path / "prompts.jsonl", 8, images=False)
+    lines = [
+        json.dumps({**json.loads(line), "cond": "cond/a.safetensors"}) for line in records.read_text().splitlines()
+    ]
+    records.write_text("\n".join(lines) + "\n")
+    args = parse_args(
+        ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
+         "--prompt-data", str(records), "--rollout-batch-size", "4", "--micro-batch-size", "2",
+         "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "2", "--output-dir", str(tmp_path / "out"),
+         "--save", str(tmp_path / "ckpt")]
+    )  # fmt: skip
+    opened = collections.Counter()
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).startswith(str(tmp_path)):
+            opened[str(file).replace(f"{tmp_path}/", "")] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    validate_inputs(args)
+    weights = "digits/transformer/diffusion_pytorch_model.safetensors"
+    for name in (
+        "digits/model_index.json",
+        "digits/transformer/config.json",
+        weights,
+        "prompts.jsonl",
+        "cond/a.safetensors",
+    ):
+        assert opened[name] == 1, (name, dict(opened))

@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 
 from miles.driver import preflight_outputs
-from miles.driver.preflight_models import denoiser_numel
+from miles.driver.preflight_outputs import denoiser_numel
 from miles.driver.run_dir import checkpoint_entries, remove_checkpoints
 from miles.utils.validation import ArgumentValidationError
 from tests.support.inputs import checkpoint_layout, write_digit_records

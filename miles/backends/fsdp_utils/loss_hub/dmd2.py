@@ -19,6 +19,7 @@ import logging
 from functools import partial
 
 import torch
+from torch import Tensor
 
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import REAL_DATA, DMD2Pair, dmd2_settings
 from miles.backends.fsdp_utils.loss_hub.gan import (
@@ -33,7 +34,7 @@ from miles.backends.fsdp_utils.loss_hub.gan import (
 from miles.backends.fsdp_utils.loss_hub.reward import add_reward_gradient
 from miles.backends.fsdp_utils.loss_hub.scoring_sigma import draw_scoring_levels
 from miles.backends.fsdp_utils.loss_hub.sft import NUM_TRAIN_TIMESTEPS, prepare_sft_batch, trainer_flow_grid
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, PreparedBatch, TrainContext
 from miles.backends.fsdp_utils.model import reshard
 from miles.models.base import DENOISER
 from miles.models.capabilities import TrueCFG, supports
@@ -134,13 +135,8 @@ def prepare_critic_gan_batch(ctx: TrainContext, train_pairs: list[TrainPair]) ->
 
 # The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def critic_gan_loss(
-    ctx: TrainContext,
-    train_pairs: list[TrainPair],
-    prepared: PreparedBatch,
-    *,
-    new_pred: torch.Tensor,
-    metrics: dict[str, list[float | torch.Tensor]],
-) -> torch.Tensor:
+    ctx: TrainContext, train_pairs: list[TrainPair], prepared: PreparedBatch, *, new_pred: Tensor, metrics: Metrics
+) -> Tensor:
     """Phase 2 critic loss, summed over the micro-batch's pairs: per pair the flow-matching loss of its first B
     rows (``sft_loss_formula``'s) plus ``--dmd2-gan-disc-weight`` × the discriminator's loss
     ``softplus(D(fake)) + softplus(−D(real))`` (tianweiy/DMD2 ``guidance_cls_loss``)
@@ -394,9 +390,7 @@ def prepare_generator_batch(ctx: TrainContext, train_pairs: list[DMD2Pair]) -> P
     )
 
 
-def record_rollout_train_abs_diff(
-    metrics: dict[str, list[float | torch.Tensor]], prefix: str, train: torch.Tensor, rollout: torch.Tensor
-) -> None:
+def record_rollout_train_abs_diff(metrics: Metrics, prefix: str, train: torch.Tensor, rollout: torch.Tensor) -> None:
     """Append per-pair gaps between a trainer-side tensor and its rollout counterpart to ``metrics``.
 
     For each pair j (first dim): ``<prefix>_mean_abs_diff`` = mean|train − rollout|, ``<prefix>_max_abs_diff`` =
@@ -441,13 +435,8 @@ def _critic_scores(ctx: TrainContext, sample_index: torch.Tensor, device: torch.
 
 # The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def dmd2_loss_formula(
-    ctx: TrainContext,
-    train_pairs: list[TrainPair],
-    prepared: PreparedBatch,
-    *,
-    new_pred: torch.Tensor,
-    metrics: dict[str, list[float | torch.Tensor]],
-) -> torch.Tensor:
+    ctx: TrainContext, train_pairs: list[TrainPair], prepared: PreparedBatch, *, new_pred: Tensor, metrics: Metrics
+) -> Tensor:
     """DMD2 generator surrogate, summed over the micro-batch's pairs ([DMD2 5/7]).
 
     Per pair j, with ``x0 = x_i − σ_i·v̂`` (float32) and the critic group's ``x̂0_real`` / ``x̂0_fake``:

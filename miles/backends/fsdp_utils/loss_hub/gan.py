@@ -35,9 +35,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
+from miles.backends.fsdp_utils.loss_hub.types import Metrics
 from miles.models.base import DENOISER
 from miles.models.capabilities import TokenFeatures, require
 from miles.utils.misc import make_generator
@@ -224,13 +225,8 @@ def build_discriminator(args, models: dict[str, nn.Module]) -> dict[str, nn.Modu
 
 
 def discriminator_logits(
-    ctx,
-    x0: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    sigma: torch.Tensor,
-    timestep: torch.Tensor,
-    noise: torch.Tensor,
-) -> torch.Tensor:
+    ctx, x0: Tensor, cond: dict[str, Tensor], sigma: Tensor, timestep: Tensor, noise: Tensor
+) -> Tensor:
     """D(x0): noise ``x0`` ``(B, C, H, W)`` at ``sigma`` (float64 ``(B,)``) with ``noise``, run the critic
     transformer with ``cond`` under the head's tap and return the head's float32 logits ``(B,)``. Gradients flow to
     ``x0`` and to the critic and head parameters (as they require)."""
@@ -325,9 +321,7 @@ def judge_rows(
     return rows, extras
 
 
-def judge_loss(
-    settings, logit: dict[str, torch.Tensor], extras: dict, metrics: dict[str, list[float | torch.Tensor]]
-) -> torch.Tensor:
+def judge_loss(settings, logit: dict[str, torch.Tensor], extras: dict, metrics: Metrics) -> torch.Tensor:
     """Per pair, the optional rows' discriminator terms (float32 ``(B,)``): ``w_mismatch · softplus(D(real, another
     prompt))`` (0 for a pair without one) ``+ w_r1 · (D(real) − D(real + α·ε'))²``; ``logit`` maps each group of
     :func:`judge_rows` (and ``"real"``) to its logits. Appends ``gan_logit_mismatch`` and ``gan_r1`` to ``metrics``.
@@ -352,13 +346,8 @@ def disc_loss_terms(logits_fake: torch.Tensor, logits_real: torch.Tensor) -> tor
 
 # discriminator_logits' inputs: it runs D through it, with x0 as the leaf of the gradient.
 def generator_gan_gradient(
-    ctx,
-    x0: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    sigma: torch.Tensor,
-    timestep: torch.Tensor,
-    noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    ctx, x0: Tensor, cond: dict[str, Tensor], sigma: Tensor, timestep: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor]:
     """``g_gan = ∂ softplus(−D(noise(x0))) / ∂x0`` per pair, by autograd through the critic and the head with their
     weights untouched: ``torch.autograd.grad`` with respect to ``x0`` alone computes no weight gradient and
     accumulates none. Their ``requires_grad`` is left as it is: FSDP2 fixes a unit's mixed-precision dtypes from the

@@ -26,10 +26,11 @@ Wiring (a hook of the actor's loss, as the GAN and reward terms are):
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from miles.backends.fsdp_utils.loss_hub.dmd2 import dmd2_loss_formula, prepare_generator_batch
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, PreparedBatch, TrainContext
 from miles.rollout.regression_pairs import INDEX_KEY, SEED_KEY, regression_noise
 from miles.utils.sampling import FlowNoiseSchedule, x0_from_velocity
 from miles.utils.types import TrainPair, collate_cond
@@ -131,13 +132,8 @@ def regression_loss_per_pair(velocity: torch.Tensor, noise: torch.Tensor, target
 
 # The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def dmd2_regression_loss(
-    ctx: TrainContext,
-    train_pairs: list[TrainPair],
-    prepared: PreparedBatch,
-    *,
-    new_pred: torch.Tensor,
-    metrics: dict[str, list[float | torch.Tensor]],
-) -> torch.Tensor:
+    ctx: TrainContext, train_pairs: list[TrainPair], prepared: PreparedBatch, *, new_pred: Tensor, metrics: Metrics
+) -> Tensor:
     """The student's DMD2 loss plus ``--dmd2-regression-weight`` × DMD's regression loss, summed over the pairs.
 
     The first B rows of ``new_pred`` and ``prepared`` go to ``loss_hub.dmd2.dmd2_loss_formula`` as if the batch held

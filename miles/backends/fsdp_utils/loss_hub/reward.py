@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.dmd2_types import dmd2_settings
-from miles.backends.fsdp_utils.loss_hub.types import TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, TrainContext
 from miles.models.capabilities import DifferentiablePixels, require
 from miles.utils.types import TrainPair
 
@@ -128,7 +128,7 @@ def add_reward_gradient(
     dm_grad: torch.Tensor,
     grad: torch.Tensor,
     sample_index: torch.Tensor,
-    metrics: dict[str, list[float | torch.Tensor]],
+    metrics: Metrics,
 ) -> torch.Tensor:
     """The actor's side: ``grad − w·numel·∂r/∂x̂0`` per pair (``w`` = ``--dmd2-reward-weight``), ``grad`` unchanged
     with weight 0 (the reward group then does not exist).

@@ -9,8 +9,9 @@ student's ``x̂0_i`` and calls :func:`prepare_sft_batch`.
 """
 
 import torch
+from torch import Tensor
 
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, TrainContext
+from miles.backends.fsdp_utils.loss_hub.types import Metrics, PreparedBatch, TrainContext
 from miles.utils.misc import make_generator
 from miles.utils.sampling import FlowNoiseSchedule, draw_noise_levels, forward_process
 from miles.utils.types import TrainPair, collate_cond
@@ -90,13 +91,8 @@ def _uncond(pair: TrainPair) -> dict[str, torch.Tensor]:
 
 # The loss-hook signature every --custom-loss-function-path shares (docs/customization.md).
 def sft_loss_formula(
-    ctx: TrainContext,
-    train_pairs: list[TrainPair],
-    prepared: PreparedBatch,
-    *,
-    new_pred: torch.Tensor,
-    metrics: dict[str, list[float | torch.Tensor]],
-) -> torch.Tensor:
+    ctx: TrainContext, train_pairs: list[TrainPair], prepared: PreparedBatch, *, new_pred: Tensor, metrics: Metrics
+) -> Tensor:
     """Flow-matching MSE ``mean((v̂ − v)²)`` per pair, summed over the micro-batch's pairs.
 
     The trainer divides the sum by the optimizer window's pair count, so a window's loss is the mean over its pairs

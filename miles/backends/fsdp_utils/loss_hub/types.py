@@ -8,7 +8,10 @@ from torch import nn
 
 from miles.models.base import DENOISER
 
-__all__ = ["PreparedBatch", "TrainContext"]
+__all__ = ["Metrics", "PreparedBatch", "TrainContext"]
+
+# The figures a hook logs: {name: [one value per micro-batch (or per call)]}, averaged and logged per step.
+Metrics = dict[str, list[float | torch.Tensor]]
 
 
 @dataclass
@@ -67,7 +70,7 @@ class TrainContext:
     microbatch_id: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    metrics: dict[str, list[float | torch.Tensor]] | None = None
+    metrics: Metrics | None = None
 
     def predict_velocity(
         self, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor]

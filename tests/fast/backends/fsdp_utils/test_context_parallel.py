@@ -191,9 +191,14 @@ def test_the_preflight_refuses_a_denoiser_diffusers_cannot_split_naming_the_flag
     the tiny Wan's 2 heads are refused in one line; the tiny Wan at CP 2 passes."""
     from types import SimpleNamespace
 
-    from miles.driver.preflight_models import check_context_parallel as preflight
+    from miles.driver.preflight import _check_context_parallel
+    from miles.models import get_model_family
     from miles.utils.validation import ArgumentValidationError
     from tests.support.trainer import make_pipeline
+
+    def preflight(args, pipelines):
+        families = {path: get_model_family(path) for _, path in pipelines}
+        _check_context_parallel(args, pipelines, families)
 
     digits = str(make_pipeline(tmp_path / "digits"))
     args = SimpleNamespace(diffusion_model_family=None, context_parallel_size=2)
