@@ -27,6 +27,7 @@ from miles.models.lora import (
 from miles.models.memory import meta_denoiser, transformer_config
 from miles.utils.collectives import LocalCollectives
 from miles.utils.misc import make_generator
+from miles.utils.validation import ArgumentValidationError
 from tests.support.trainer import (
     TEXT_DIM,
     TEXT_LEN,
@@ -210,6 +211,27 @@ def test_the_adapter_export_loads_with_stock_diffusers_and_samples_as_the_merged
     prompts = [f"a photo of the digit {d}" for d in range(4)]
     got, expected = (pipe(prompts, num_inference_steps=4, seed=11).images.astype(int) for pipe in (base, merged))
     assert abs(got - expected).max() <= 1  # the same images, to uint8 rounding
+
+
+def test_an_extended_run_replaces_its_own_adapter_export_and_nothing_else(pipeline, family, tmp_path):
+    # docs/cluster.md section 8: a LoRA run extended with --load ... --overwrite-save-hf --save-hf-lora exports again
+    # over its first export, whose lora/ the export itself wrote.
+    model = _lora_model(family, pipeline)
+    out = tmp_path / "export"
+    export = dict(run_paths=[], lora=LORA, save_lora=True)
+    write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=False, **export)
+    assert sorted(p.name for p in (out / LORA_DIR).iterdir()) == ["pytorch_lora_weights.safetensors"]
+    first = (out / LORA_DIR / "pytorch_lora_weights.safetensors").read_bytes()
+    _randomize_adapter(model)  # the same seed: perturb one entry so that the second export differs
+    with torch.no_grad():
+        next(param for _, param in adapter_parameters(model, ADAPTER_NAME)).add_(1.0)
+    write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=True, **export)
+    assert (out / LORA_DIR / "pytorch_lora_weights.safetensors").read_bytes() != first
+    # A file of the user's in lora/ is still theirs: the export refuses to replace the directory.
+    (out / LORA_DIR / "notes.txt").write_text("mine\n")
+    with pytest.raises(ArgumentValidationError, match=r"holds lora/notes.txt, not part of the pipeline"):
+        write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=True, **export)
+    assert (out / LORA_DIR / "notes.txt").read_text() == "mine\n"
 
 
 def _velocity(family, model) -> torch.Tensor:
