@@ -10,8 +10,9 @@ with ``--keep-best``, the best evaluation so far. A resume (``--load``) reads th
   its optimizer and a data cursor of another file, without a word);
 - refuses, before Ray starts and on one line naming the flag and both values, a command whose groups the checkpoint
   cannot fill: another LoRA rank, alpha (which would silently rescale the learned update) or target modules, LoRA
-  where the checkpoint holds full weights or the reverse, an EMA or a built module (the GAN head) the checkpoint
-  lacks. Phase 1 → phase 2 is not a resume: start phase 2 from the phase-1 student's export (docs/dmd2.md);
+  where the checkpoint holds full weights or the reverse;
+- names what the command adds and the checkpoint lacks, which the trainers start fresh: phase 1 -> phase 2 (a GAN
+  head and an EMA on a phase-1 checkpoint; ``GroupTrainer.load``, docs/dmd2.md);
 - lists, on one line, the settings this command changes; the trainer applies them after loading
   (``miles.backends.fsdp_utils.optimizer.apply_optimizer_spec``), the others (batch, step grid, guidance) are the
   command's own from the first resumed rollout;
@@ -43,6 +44,7 @@ __all__ = [
     "resumable_settings",
     "resumed_line",
     "run_record",
+    "started_fresh",
     "write_run_record",
 ]
 
@@ -200,8 +202,8 @@ def _lora_text(lora: dict[str, Any] | None, key: str) -> str:
 
 def check_groups(args: argparse.Namespace, record: dict[str, Any], rollout_id: int) -> None:
     """Refuse a resume whose trainer groups the checkpoint ``record`` describes cannot fill: a LoRA of another rank,
-    alpha or target modules, LoRA ↔ full weights, an EMA or a built module (the GAN head) it lacks. A record
-    without ``"groups"`` (written before they were kept) is not checked.
+    alpha or target modules, LoRA ↔ full weights. An EMA or a built module (the GAN head) it lacks starts fresh
+    (:func:`started_fresh`). A record without ``"groups"`` (written before they were kept) is not checked.
 
     Raises:
         ArgumentValidationError: one line naming the flag, the checkpoint's value and this command's.
@@ -233,24 +235,6 @@ def check_groups(args: argparse.Namespace, record: dict[str, Any], rollout_id: i
                     f"{key.replace('_', ' ')} would not fit it (or, for alpha, rescale what it learned): resume with "
                     f"{name} {old}"
                 )
-        if now["ema"] and not saved.get("ema"):
-            reject(
-                f"--ema-decay {args.ema_decay}: {where} holds no EMA of the {role} group (saved without --ema-decay); "
-                "resume without it, or start phase 2 (EMA and GAN head, fresh) from the exported student "
-                "(--hf-checkpoint) with a new --save (docs/dmd2.md)"
-            )
-        added = [name for name in now["modules"] if name not in (saved.get("modules") or [])]
-        if added:
-            gan = any(name.endswith(".build_discriminator") for name in added)
-            named = "--dmd2-gan-disc-weight" if gan else "--custom-build-modules-path"
-            what = "the GAN head" if gan else f"the modules of {added[0]}"
-            value = args.dmd2_gan_disc_weight if gan else args.custom_build_modules_path
-            reject(
-                f"{named} {value}: {where} holds the {role} group without {what} (saved without it), which this "
-                "command adds; resume without "
-                "it, or start phase 2 (EMA and GAN head, fresh) from the exported student (--hf-checkpoint) with a "
-                "new --save (docs/dmd2.md)"
-            )
 
 
 def check_data_cursor(args: argparse.Namespace, rollout_id: int, data_state: Any) -> None:
@@ -273,6 +257,28 @@ def check_data_cursor(args: argparse.Namespace, rollout_id: int, data_state: Any
             f"--prompt-data {args.prompt_data} holds {records} records, but --load {args.load} (rollout {rollout_id}) "
             f"had read {cursor} of its prompt file's epoch; resume with the same --prompt-data, or start a new run"
         )
+
+
+def started_fresh(args: argparse.Namespace, record: dict[str, Any] | None) -> list[str]:
+    """What this command adds that the checkpoint ``record`` describes lacks, which the trainers start fresh (phase
+    1 -> phase 2, docs/dmd2.md): e.g. ``["the critic group's GAN head (--dmd2-gan-disc-weight)", "the actor group's
+    EMA (--ema-decay)"]``; [] for a record without ``"groups"``."""
+    saved_groups = (record or {}).get("groups")
+    if not isinstance(saved_groups, dict):
+        return []
+    started = []
+    for role, now in sorted(_groups(args).items(), key=lambda item: item[0] != "actor"):
+        saved = saved_groups.get(role)
+        if not isinstance(saved, dict):
+            continue
+        for name in now["modules"]:
+            if name not in (saved.get("modules") or []):
+                gan = name.endswith(".build_discriminator")
+                what = "GAN head (--dmd2-gan-disc-weight)" if gan else f"modules of {name}"
+                started.append(f"the {role} group's {what}")
+        if now["ema"] and not saved.get("ema"):
+            started.append(f"the {role} group's EMA (--ema-decay)")
+    return started
 
 
 def _sibling_groups(load: str, rollout_id: int) -> list[tuple[Path, str]]:
@@ -304,6 +310,12 @@ def resumed_line(args: argparse.Namespace, start: int, roles: list[str], record:
     settings it changes, e.g. ``resumed at rollout 10 (actor + critic) from --load ckpt`` and ``resume changes
     --lr 0.0001 -> 0.0002, --weight-decay 0.0 -> 0.01; the new values apply from rollout 10``."""
     lines = [f"resumed at rollout {start} ({' + '.join(roles)}) from --load {args.load}"]
+    started = started_fresh(args, record)
+    if started:
+        lines.append(
+            f"resume starts fresh what the checkpoint lacks (phase 1 -> phase 2): {', '.join(started)}; a side input "
+            "new to the run (the GAN head's real data) reads from its first record"
+        )
     changes = changed_settings(args, record)
     if changes:
         listed = ", ".join(f"{name} {old} -> {new}" for name, old, new in changes)
