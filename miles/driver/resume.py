@@ -10,7 +10,8 @@ with ``--keep-best``, the best evaluation so far. A resume (``--load``) reads th
   its optimizer and a data cursor of another file, without a word);
 - refuses, before Ray starts and on one line naming the flag and both values, a command whose groups the checkpoint
   cannot fill: another LoRA rank, alpha (which would silently rescale the learned update) or target modules, LoRA
-  where the checkpoint holds full weights or the reverse;
+  where the checkpoint holds full weights or the reverse, and a ``--prompt-data`` shorter than the saved prompt
+  cursor (:func:`check_data_cursor`);
 - names what the command adds and the checkpoint lacks, which the trainers start fresh: phase 1 -> phase 2 (a GAN
   head and an EMA on a phase-1 checkpoint; ``GroupTrainer.load``, docs/dmd2.md);
 - lists, on one line, the settings this command changes; the trainer applies them after loading
