@@ -103,9 +103,7 @@ def check_sample_size(family: Any, path: str | Path, size: tuple[int, ...] | lis
             + ("positive" if value < 1 else f"{multiple}k + {remainder}" if remainder else f"a multiple of {multiple}")
             for name, value, multiple, remainder in wrong
         )
-        raise ValueError(
-            f"sample size {given}: {shown} (the {family.name} family at {path}); use e.g. {nearest}"
-        )
+        raise ValueError(f"sample size {given}: {shown} (the {family.name} family at {path}); use e.g. {nearest}")
 
 
 def write_sample_size(path: str | Path, size: tuple[int, ...] | list[int]) -> None:
