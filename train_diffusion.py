@@ -450,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         from miles.driver.plan import log_plan
 
-        log_plan(args, run)
+        refusal = log_plan(args, run)
+        if refusal is not None:
+            _fail(refusal, 2)
         return
     import ray
     from ray.exceptions import RayActorError, RayTaskError

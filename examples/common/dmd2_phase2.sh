@@ -7,7 +7,8 @@
 #   NEGATIVE_PROMPT the negative prompt the teacher's CFG runs against (cached once by `prepare`)
 #   SAMPLE_SIZE     optional "H W" (video: "F H W"): the size `prepare` records in MODEL_DIR/model_index.json as
 #                   _miles_sample_size (the stock pipelines ignore keys that start with "_"); empty keeps the stock
-#                   default size
+#                   default size. Checked first against the family's rule (multiples of 16; Wan: F = 4k + 1), so a
+#                   wrong size stops `prepare` before it writes anything or runs the prompt cache
 #   RECIPE_FLAGS    (array) the model's own flags: schedule, guidance, learning rates, LoRA, batch
 # and the user may set PROMPTS, IMAGES (or REAL for ready latent records), CAPTIONS, NODES, GPUS_PER_NODE, DEVICE,
 # WANDB_MODE, DRY_RUN=1 (docs/cluster.md).
@@ -19,7 +20,7 @@
 dmd2_prepare() {
   if [ -n "${SAMPLE_SIZE:-}" ]; then
     # shellcheck disable=SC2086
-    python -m miles.models.stock_defaults "$MODEL_DIR" $SAMPLE_SIZE
+    python -m miles.models.stock_defaults "$MODEL_DIR" $SAMPLE_SIZE --diffusion-model-family "$FAMILY"
   fi
   python -m miles.rollout.prompt_cache "$MODEL_DIR" "$PROMPTS" "$DATA/prompts" --diffusion-model-family "$FAMILY" \
     --negative-prompt "$NEGATIVE_PROMPT" --device "$DEVICE" --dtype bfloat16 "$@"

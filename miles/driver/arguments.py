@@ -9,6 +9,7 @@ generated from ``build_parser()`` (``python -m miles.driver.cli_reference``).
 
 import argparse
 
+from miles.driver.estimate import DEFAULT_DEVICE, PEAK_TFLOPS
 from miles.driver.family_defaults import fill_flow_shifts, fill_negative_prompt
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
@@ -95,10 +96,20 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--dry-run", action="store_true", help="Validate, print groups, placement, schedule and memory plan, exit."
     )
     group.add_argument(
+        "--gpu-memory-gib",
         "--gpu-memory-gb",
+        dest="gpu_memory_gb",
         type=float,
         default=None,
-        help="GiB per GPU that --dry-run checks each rank's planned peak against (default: the CUDA device's).",
+        help="GiB (2^30 bytes) of memory per GPU that --dry-run checks each rank's planned peak against (default: the "
+        "CUDA device's); a plan that does not fit exits with code 2. --gpu-memory-gb is its older name.",
+    )
+    group.add_argument(
+        "--gpu-type",
+        choices=sorted(PEAK_TFLOPS),
+        default=None,
+        help="The GPU whose dense bf16 peak --dry-run's time estimate assumes (default: this machine's CUDA device "
+        f"when known, else {DEFAULT_DEVICE}).",
     )
 
 

@@ -14,8 +14,8 @@ figures. The count:
   two forwards (and one more forward per backward with ``--gradient-checkpointing``). The rollout phase counts every
   step of the schedule for every sample (DMD2 samples stop at a random step, so it is an upper bound);
 - seconds = FLOPs / (MFU × the GPU's dense bf16 peak), for a bf16 (or fp16) run only: the peaks are the vendors'
-  dense bf16 data-sheet figures. The GPU is this machine's first CUDA device when the table knows it, else the
-  estimate assumes an H100 and says so. A float32 run gets its FLOPs and no seconds (a float32 run on the CPU is not
+  dense bf16 data-sheet figures. The GPU is ``--gpu-type``'s, else this machine's first CUDA device when the table
+  knows it, else the estimate assumes an H100 and says so. A float32 run gets its FLOPs and no seconds (a float32 run on the CPU is not
   a GPU run, and a GPU's float32 peak is another figure). The MFU is an assumption (:data:`ASSUMED_MFU`) until
   ``benchmarks/gpu_check.py`` measures it.
 
@@ -80,15 +80,18 @@ class Estimate:
         return self.flops / (self.mfu * self.peak_tflops * 1e12)
 
 
-def assumed_gpu() -> tuple[str, float, bool]:
-    """``(name, dense bf16 peak TFLOP/s, measured here)``: this machine's first CUDA device when
-    :data:`PEAK_TFLOPS` knows it (True), else an H100 (False: assumed)."""
+def assumed_gpu(gpu_type: str | None = None) -> tuple[str, float, str]:
+    """``(name, dense bf16 peak TFLOP/s, where the name comes from)``: ``gpu_type`` (``--gpu-type``, a key of
+    :data:`PEAK_TFLOPS`) when given, else this machine's first CUDA device when :data:`PEAK_TFLOPS` knows it, else
+    an H100, assumed."""
+    if gpu_type is not None:
+        return gpu_type, PEAK_TFLOPS[gpu_type], "--gpu-type"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         peak = next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
         if peak is not None:
-            return name, peak, True
-    return DEFAULT_DEVICE, PEAK_TFLOPS[DEFAULT_DEVICE], False
+            return name, peak, "this machine"
+    return DEFAULT_DEVICE, PEAK_TFLOPS[DEFAULT_DEVICE], "assumed: no known CUDA device here; --gpu-type names another"
 
 
 def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU, groups: list | None = None) -> Estimate:
@@ -113,7 +116,7 @@ def estimate_rollout(args: argparse.Namespace, mfu: float = ASSUMED_MFU, groups:
         (who, phase.phase, (phase.forwards + (2 + recompute) * phase.backwards) * phase.batch * fwd)
         for who, phase in work_per_rank(args, groups)
     ]
-    device, peak, _ = assumed_gpu()
+    device, peak, _ = assumed_gpu(args.gpu_type)
     dtype = resolve_dtype(args.train_dtype)
     peak = peak if dtype in TIMED_DTYPES else None
     return Estimate(fwd, params, image_tokens, text_tokens, phases, device, peak, mfu, dtype)
@@ -127,8 +130,8 @@ def log_estimate(args: argparse.Namespace, rollouts: int, groups: list | None = 
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
         logger.info("time estimate: none (%s: %s)", type(exc).__name__, exc)
         return None
-    _, _, here = assumed_gpu()
-    gpu = f"{found.device} ({'this machine' if here else 'assumed: no known CUDA device here'})"
+    _, _, origin = assumed_gpu(args.gpu_type)
+    gpu = f"{found.device} ({origin})"
     dtype = str(found.compute_dtype).removeprefix("torch.")
     if found.seconds is None:
         timing = (

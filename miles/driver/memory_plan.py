@@ -450,7 +450,7 @@ def plan_run(
 
 
 def gpu_memory_bytes(args) -> float | None:
-    """``--gpu-memory-gb`` in bytes, else the first CUDA device's total memory, else None (no fit check)."""
+    """``--gpu-memory-gib`` in bytes, else the first CUDA device's total memory, else None (no fit check)."""
     if args.gpu_memory_gb is not None:
         return args.gpu_memory_gb * GIB
     if torch.cuda.is_available():
@@ -548,16 +548,32 @@ def host_memory_line(plans: list[GroupMemory], ranks_per_node: int) -> str | Non
     )
 
 
-def log_memory_plan(args, groups: list | None = None) -> None:
-    """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure."""
+def log_memory_plan(args, groups: list | None = None) -> str | None:
+    """Log the run's memory plan (``--dry-run``); a plan that cannot be made is one warning, not a failure.
+
+    Returns:
+        None, or when a group's planned peak does not fit the GPU (``--gpu-memory-gib``, else this machine's CUDA
+        device) the one line the dry run fails with (exit code 2), naming the figures and the knobs.
+    """
     try:
         setting, plans = plan_run(args, groups=groups)
     # A family without a memory layout, or a config it cannot lay out, must not fail the dry run's checks.
     except (AttributeError, NotImplementedError, OSError, KeyError, ValueError) as exc:
         logger.warning("memory plan: not available (%s: %s)", type(exc).__name__, exc)
-        return
-    for line in memory_table(setting, plans, gpu_memory_bytes(args)):
+        return None
+    gpu_bytes = gpu_memory_bytes(args)
+    for line in memory_table(setting, plans, gpu_bytes):
         logger.info("%s", line)
+    refusal = None
+    worst = max(plans, key=lambda plan: plan.peak)
+    if gpu_bytes is not None and not worst.fits(gpu_bytes):
+        source = "--gpu-memory-gib" if args.gpu_memory_gb is not None else "this machine's GPU"
+        refusal = (
+            f"the memory plan does NOT fit a GPU of {format_bytes(gpu_bytes)} ({source}): the {worst.role} group's "
+            f"planned peak is {format_bytes(worst.peak)}, above the {format_bytes((1 - HEADROOM) * gpu_bytes)} it "
+            "may use; spread it over more GPUs (--actor-num-gpus-per-node, --actor-num-nodes), or add "
+            "--fsdp-reshard-every-microbatch, --gradient-checkpointing or --lora-rank (docs/performance.md)"
+        )
     host = host_memory_line(plans, args.actor_num_gpus_per_node)
     if host is not None:
         logger.info("%s", host)
@@ -565,9 +581,10 @@ def log_memory_plan(args, groups: list | None = None) -> None:
         encoders = text_encoder_memory(args)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         logger.warning("memory plan: text encoders not counted (%s: %s)", type(exc).__name__, exc)
-        return
+        return refusal
     if encoders is not None:
-        logger.info("%s", text_encoder_line(encoders, plans, gpu_memory_bytes(args)))
+        logger.info("%s", text_encoder_line(encoders, plans, gpu_bytes))
+    return refusal
 
 
 @dataclass(frozen=True)
@@ -657,7 +674,7 @@ def text_encoder_line(encoders: TextEncoderMemory, plans: list[GroupMemory], gpu
 
 
 def check_text_encoders_fit(args) -> None:
-    """With ``--gpu-memory-gb``: refuse a run whose actor group fits the GPU without its text encoders but not with
+    """With ``--gpu-memory-gib``: refuse a run whose actor group fits the GPU without its text encoders but not with
     them, naming the prompt-cache command that takes them off the GPU. A plan that cannot be made refuses nothing.
 
     Raises:
@@ -683,7 +700,7 @@ def check_text_encoders_fit(args) -> None:
     negative = f" --negative-prompt {shlex.quote(args.negative_prompt)}" if args.negative_prompt else ""
     reject(
         f"the text encoders ({format_bytes(encoders.bytes)} in {dtype} on every actor rank: {encoders.reason}) do not "
-        f"fit beside the actor group on a GPU of {format_bytes(args.gpu_memory_gb * GIB)} (--gpu-memory-gb): its peak "
+        f"fit beside the actor group on a GPU of {format_bytes(args.gpu_memory_gb * GIB)} (--gpu-memory-gib): its peak "
         f"is {format_bytes(actor.peak + encoders.bytes)} with them, {format_bytes(actor.peak)} without, the plan "
         f"keeps {HEADROOM:.0%} free; encode the prompts once instead: python -m miles.rollout.prompt_cache "
         f"{args.hf_checkpoint} {args.prompt_data} CACHE_DIR{negative}, then train with --prompt-data CACHE_DIR/prompts.jsonl "

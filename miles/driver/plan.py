@@ -28,27 +28,40 @@ logger = logging.getLogger(__name__)
 LARGE_EVAL_IMAGES = 256
 
 
-def log_plan(args, run: RunSpec | None = None) -> None:
+def log_plan(args, run: RunSpec | None = None) -> str | None:
     """Log the trainer groups, their placement, the work per rank, the schedule and the memory plan, without
-    starting Ray.
+    starting Ray. The placement and the sleep rule are the cluster's, with the GPUs the command asks for, also on a
+    machine without GPUs (a login node), which the plan then says.
 
     Args:
         run: the run's specs (the groups with the user's hooks); default: the groups as the flags lay them out.
+
+    Returns:
+        None, or the line the dry run fails with when the memory plan does not fit the GPU
+        (:func:`miles.driver.memory_plan.log_memory_plan`).
     """
     from miles.driver.run_dir import read_latest
     from miles.driver.schedule import needs_sleep, should_save
 
     configs = list(run.groups) if run is not None else group_layout(args)
-    use_gpu = torch.cuda.is_available()
+    # The plan is the GPU cluster's: a login node without GPUs plans the bundles and sleeps the cluster will have.
+    use_gpu = True
     ranks = dp_size(args)
-    bundle = "{GPU: 1, CPU: c}" if use_gpu else "{CPU: c}"
     logger.info(
-        "placement: %d bundles of %s (one per trainer rank; c = --num-cpus-per-rank or a node's CPUs / its ranks); "
-        "the %d trainer groups share them, one group at a time",
+        "placement: %d bundles of {GPU: 1, CPU: c} (one per trainer rank: --actor-num-nodes %d x "
+        "--actor-num-gpus-per-node %d GPUs; c = --num-cpus-per-rank or a node's CPUs / its ranks); the %d trainer "
+        "groups share them, one group at a time",
         trainer_ranks(args),
-        bundle,
+        args.actor_num_nodes,
+        args.actor_num_gpus_per_node,
         len(configs),
     )
+    if not torch.cuda.is_available():
+        logger.info(
+            "placement: planned for GPUs; this machine has none (a run here would take %d bundles of {CPU: c} and no "
+            "group would sleep)",
+            trainer_ranks(args),
+        )
     cp = context_parallel_size(args)
     if cp > 1:
         logger.info(
@@ -102,7 +115,7 @@ def log_plan(args, run: RunSpec | None = None) -> None:
         logger.info("profile: rollouts %d..%d on every rank, traces in %s", first, end - 1, profile_dir(args))
     log_eval_plan(args)
     log_estimate(args, args.num_rollout - start, configs)
-    log_memory_plan(args, configs)
+    return log_memory_plan(args, configs)
 
 
 def _short_list(values: list[int], shown: int = 8) -> str:

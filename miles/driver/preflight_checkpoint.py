@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from miles.config import GroupSpec
-from miles.utils.validation import reject
+from miles.utils.validation import ArgumentValidationError, reject
 
 __all__ = ["check_load"]
 
@@ -70,7 +70,7 @@ def check_load(args: argparse.Namespace, groups: list[GroupSpec]) -> None:
         ArgumentValidationError: naming ``--load``, the file at fault and, for a corrupt ``latest``, a committed
             rollout missing in a group or a damaged checkpoint, the newest earlier one complete in every group.
     """
-    from miles.driver.resume import check_resume
+    from miles.driver.resume import check_data_cursor, check_resume
     from miles.driver.run_dir import read_data_state, read_latest, resume_rollout
 
     loads = [group.checkpoint.load for group in groups]
@@ -80,6 +80,8 @@ def check_load(args: argparse.Namespace, groups: list[GroupSpec]) -> None:
         latest = read_latest(args.load)
         check_resume(args, latest)
         committed = resume_rollout(load_dirs)
+    except ArgumentValidationError:
+        raise  # a command that does not fit the checkpoint: no earlier rollout fits it better
     except (OSError, ValueError, RuntimeError) as exc:
         # A commit that is unreadable, or names a rollout some group lacks, may leave an earlier one whole.
         earlier = _earlier_complete(load_dirs, math.inf if latest is None else latest)
@@ -90,12 +92,14 @@ def check_load(args: argparse.Namespace, groups: list[GroupSpec]) -> None:
             f"nothing is left to train; raise --num-rollout above {committed + 1}"
         )
     problem = next((p for p in (_damaged(directory, committed) for directory in load_dirs) if p), None)
+    data_state = None
     if problem is None:
         try:
-            read_data_state(args.load, committed)
+            _, data_state = read_data_state(args.load, committed)
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign pickle
             problem = f"its data cursor does not load ({type(exc).__name__}: {exc})"
     if problem is not None:
         earlier = _earlier_complete(load_dirs, committed)
         offer = _offer(args.load, earlier) or "; no earlier complete checkpoint is left: start afresh without --load"
         reject(f"--load {args.load} committed rollout {committed}, but it is damaged: {problem}{offer}")
+    check_data_cursor(args, committed, data_state)

@@ -255,6 +255,17 @@ class ModelFamily(Protocol):
         """
         return None
 
+    def sample_size_rule(self, path: str | Path) -> tuple[tuple[str, int, int], ...] | None:
+        """What ``_miles_sample_size`` of pipeline ``path`` may hold (:mod:`miles.models.stock_defaults`): one
+        ``(name, multiple, remainder)`` per value, in order (``("height", 16, 0)``: a positive multiple of 16;
+        ``("frames", 4, 1)``: ``4k + 1``), which ``prepare`` checks before it writes the key. Default None: the family
+        does not read the key (its size is the transformer config's).
+
+        Raises:
+            OSError / ValueError: when a config file the rule comes from is missing or unreadable.
+        """
+        return None
+
     def max_guidance_scale(self, path: str | Path) -> float | None:
         """The largest guidance scale w (as ``--dmd2-teacher-guidance-scale`` means it) pipeline ``path`` can take;
         1 for a checkpoint that runs no guidance (a step-distilled FLUX.2-klein). Preflight rejects a larger scale

@@ -103,6 +103,12 @@ class Flux2Family(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
         height, width = read_sample_size(path, default)
         return (height // multiple * multiple, width // multiple * multiple, 3)
 
+    def sample_size_rule(self, path: str | Path) -> tuple[tuple[str, int, int], ...]:
+        """Height and width, multiples of twice the VAE's scale factor (16 for klein: its 8, times the 2×2 patch),
+        the sizes :meth:`image_shape` keeps as they are."""
+        multiple = 2 * self._vae_factor(path)
+        return (("height", multiple, 0), ("width", multiple, 0))
+
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(in_channels, H/16, W/16)`` (``in_channels`` = 4 · the VAE's latent channels)."""
         height, width, _ = self.image_shape(path)

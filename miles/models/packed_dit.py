@@ -77,6 +77,10 @@ class PackedDiTFamily(DiffusersFamily):
             )
         return height, width
 
+    def sample_size_rule(self, path: str | Path) -> tuple[tuple[str, int, int], ...]:
+        """Height and width, multiples of 16 (the VAE's 8, times the 2×2 packing; :meth:`pixel_size`)."""
+        return (("height", 16, 0), ("width", 16, 0))
+
     def latent_shape(self, path: str | Path) -> tuple[int, int, int]:
         """``(C, H/8, W/8)``: C = the transformer's ``in_channels`` / 4 (the packed channels), H × W the sample
         size."""

@@ -10,7 +10,9 @@ latent shape of every rollout), so a pipeline directory may say it in ``model_in
 Keys that start with ``_`` are dropped by ``DiffusionPipeline.from_pretrained`` without a warning, so the stock
 pipeline still opens the directory, and the ``--save-hf`` export keeps the key (it copies ``model_index.json``).
 Without the key the family uses the stock pipeline's default. ``python -m miles.models.stock_defaults PIPELINE H W``
-writes it (replacing the file, so a hard-linked or symlinked copy elsewhere is left as it is).
+writes it (replacing the file, so a hard-linked or symlinked copy elsewhere is left as it is) after checking it
+against the family's rule (:func:`check_sample_size`: the recipes' ``prepare`` runs it first, so a wrong
+``SAMPLE_SIZE`` stops it before it writes into ``MODEL_DIR`` and before the prompt cache runs).
 
 **The dynamic shift.** ``FluxPipeline`` and ``QwenImagePipeline`` pass ``mu = calculate_shift(image_seq_len,
 base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` (diffusers, ``pipelines/flux/pipeline_flux.py``):
@@ -25,10 +27,18 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from miles.models.pipeline_files import read_json
 
-__all__ = ["SAMPLE_SIZE_KEY", "dynamic_flow_shift", "main", "read_sample_size", "write_sample_size"]
+__all__ = [
+    "SAMPLE_SIZE_KEY",
+    "check_sample_size",
+    "dynamic_flow_shift",
+    "main",
+    "read_sample_size",
+    "write_sample_size",
+]
 
 SAMPLE_SIZE_KEY = "_miles_sample_size"
 
@@ -55,6 +65,45 @@ def read_sample_size(path: str | Path, default: tuple[int, ...]) -> tuple[int, .
             f"(e.g. {list(default)})"
         )
     return tuple(size)
+
+
+def check_sample_size(family: Any, path: str | Path, size: tuple[int, ...] | list[int]) -> None:
+    """Refuse a sample size the family ``family`` of pipeline ``path`` would not sample as given
+    (:meth:`~miles.models.base.ModelFamily.sample_size_rule`): the wrong count of values (Wan's frame count missing),
+    a value < 1, or one off its multiple (which the family would round, or refuse at the first rollout).
+
+    Raises:
+        ValueError: one line naming the size, the family's rule and the nearest valid size; also for a family that
+            reads no ``_miles_sample_size`` (its size is the transformer config's).
+    """
+    rule = family.sample_size_rule(path)
+    given = " ".join(str(each) for each in size)
+    if rule is None:
+        raise ValueError(
+            f"sample size {given}: the {family.name} family samples the size its transformer config gives and "
+            f"reads no {SAMPLE_SIZE_KEY}; leave the size empty"
+        )
+    names = " ".join(name for name, _, _ in rule)
+    if len(size) != len(rule):
+        raise ValueError(
+            f"sample size {given}: the {family.name} family takes {len(rule)} values ({names}), got {len(size)}"
+        )
+    wrong = [
+        (name, value, multiple, remainder)
+        for (name, multiple, remainder), value in zip(rule, size, strict=True)
+        if value < 1 or (value - remainder) % multiple
+    ]
+    if wrong:
+        nearest = " ".join(
+            str(max(remainder or multiple, (value - remainder) // multiple * multiple + remainder))
+            for (_, multiple, remainder), value in zip(rule, size, strict=True)
+        )
+        shown = ", ".join(
+            f"{name} {value} is not "
+            + ("positive" if value < 1 else f"{multiple}k + {remainder}" if remainder else f"a multiple of {multiple}")
+            for name, value, multiple, remainder in wrong
+        )
+        raise ValueError(f"sample size {given}: {shown} (the {family.name} family at {path}); use e.g. {nearest}")
 
 
 def write_sample_size(path: str | Path, size: tuple[int, ...] | list[int]) -> None:
@@ -97,16 +146,27 @@ def dynamic_flow_shift(scheduler_config: dict, image_tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m miles.models.stock_defaults PIPELINE H W`` (a video family: ``PIPELINE F H W``): write the
-    pipeline's sample size. Returns the exit code (0, or 2 with one error line on stderr)."""
+    """``python -m miles.models.stock_defaults PIPELINE H W [--diffusion-model-family NAME]`` (a video family:
+    ``PIPELINE F H W``): check the size against the family's rule (:func:`check_sample_size`), then write it into the
+    pipeline's ``model_index.json``. Returns the exit code (0, or 2 with one error line on stderr and nothing
+    written)."""
+    from miles.models import get_model_family
+
     parser = argparse.ArgumentParser(
         prog="python -m miles.models.stock_defaults",
         description=f"Set the pixel size miles samples a pipeline directory at (model_index.json {SAMPLE_SIZE_KEY}).",
     )
     parser.add_argument("pipeline", help="a diffusers pipeline directory")
     parser.add_argument("size", type=int, nargs="+", help="height width (a video family: frames height width)")
+    parser.add_argument(
+        "--diffusion-model-family",
+        default=None,
+        help="the pipeline's model family (default: read from its model_index.json), whose rule the size must meet",
+    )
     ns = parser.parse_args(argv)
     try:
+        family = get_model_family(ns.pipeline, ns.diffusion_model_family)
+        check_sample_size(family, ns.pipeline, ns.size)
         write_sample_size(ns.pipeline, ns.size)
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)

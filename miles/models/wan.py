@@ -110,6 +110,13 @@ class WanFamily(DiffusersFamily, TrueCFG, PixelCodec, TokenFeatures):
         )
         return (frames, height, width, 3)
 
+    def sample_size_rule(self, path: str | Path) -> tuple[tuple[str, int, int], ...]:
+        """Frames ``4k + 1`` (the VAE's temporal factor), height and width multiples of the VAE's spatial factor times
+        the patch (16 for Wan 2.1: 8 × 2): the sizes :meth:`image_shape` keeps as they are."""
+        temporal, spatial = self._factors(path)
+        _, patch_h, patch_w = self.transformer_config(path)["patch_size"]
+        return (("frames", temporal, 1), ("height", spatial * patch_h, 0), ("width", spatial * patch_w, 0))
+
     def latent_shape(self, path: str | Path) -> tuple[int, int, int, int]:
         """``(in_channels, (F − 1)/4 + 1, H/8, W/8)``."""
         frames, height, width, _ = self.image_shape(path)

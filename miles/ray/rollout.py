@@ -100,14 +100,15 @@ class RolloutManager:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the data cursors.
 
-        Raises:
-            ValueError: if the checkpoint has no cursor of a side input this run deals.
+        A side input the checkpoint has no cursor of (phase 1 -> phase 2's real data) starts from its first record.
         """
         self.data_source.load_state_dict(state["data_source"])
         saved = state.get("side_sources", {})
         for name, source in self.side_sources.items():
             if name not in saved:
-                raise ValueError(f"the checkpoint was saved without side input {name!r}; resume with the same flags")
+                # Phase 1 -> phase 2: the GAN head's real data joins the run; its cursor starts at its file's start.
+                logger.info("the checkpoint has no cursor of side input %r: it starts from the first record", name)
+                continue
             source.load_state_dict(saved[name])
 
 

@@ -14,6 +14,7 @@ from miles.utils.validation import reject
 
 __all__ = [
     "KEEP_BEST_FILE",
+    "LORA_EXPORT_DIR",
     "check_export_target",
     "nearest_existing",
     "path_relation",
@@ -25,6 +26,10 @@ __all__ = [
 MODEL_INDEX = "model_index.json"
 # What a --keep-best export records about itself (miles.driver.keep_best), written with the pipeline.
 KEEP_BEST_FILE = "keep_best.json"
+# The adapter's subdirectory of a --save-hf-lora export (miles.backends.fsdp_utils.export), and the file diffusers'
+# ``save_lora_weights`` writes into it.
+LORA_EXPORT_DIR = "lora"
+LORA_EXPORT_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
 def path_relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
@@ -91,9 +96,11 @@ def _relative_files(root: str | os.PathLike, skip_hidden: bool = False) -> set[s
 
 def _exported_files(out: Path) -> set[str]:
     """What an earlier export wrote that its source may lack: the transformer's weights and config as
-    ``save_pretrained`` names them, and the scheduler config; a user's other files are none of these."""
+    ``save_pretrained`` names them, the scheduler config, ``--keep-best``'s record and ``--save-hf-lora``'s adapter
+    (``lora/pytorch_lora_weights.safetensors``); a user's other files are none of these."""
     # "transformer" is miles.models.base.DENOISER, the denoiser's folder; utils sits below the models layer.
     names = {"transformer", "scheduler", "transformer/config.json", "scheduler/scheduler_config.json", KEEP_BEST_FILE}
+    names |= {LORA_EXPORT_DIR, f"{LORA_EXPORT_DIR}/{LORA_EXPORT_WEIGHTS}"}
     transformer = out / "transformer"
     if transformer.is_dir():
         names |= {

@@ -4,6 +4,7 @@ a mid-run commit repeats the uninterrupted run's figures exactly (the head, the 
 all in the checkpoint). 2 DP ranks on CPU, inside the session's Ray cluster."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -142,3 +143,42 @@ def test_a_prompt_judging_head_logs_its_quality_on_held_out_reals_at_every_evalu
     assert 0 <= evaluation["eval/disc_prompt_auc"] <= 1 and 0 <= evaluation["eval/disc_real_fake_auc"] <= 1
     gap = evaluation["eval/disc_logit_real"] - evaluation["eval/disc_logit_fake"]
     assert evaluation["eval/disc_real_minus_fake"] == pytest.approx(gap)
+
+
+def _phase1(argv: list[str]) -> list[str]:
+    """``argv`` without the phase-2 flags (the GAN head, its real data, the EMA)."""
+    phase2 = {"--dmd2-gan-disc-weight", "--dmd2-gan-gen-weight", "--dmd2-gan-real-data", "--ema-decay"}
+    kept, skip = [], False
+    for part in argv:
+        if skip:
+            skip = False
+        elif part in phase2:
+            skip = True
+        else:
+            kept.append(part)
+    return kept
+
+
+def test_phase_two_resumes_a_phase_one_checkpoint_with_a_fresh_head_and_ema(run, tmp_path, caplog):
+    """Issue 34 item 4 (docs/dmd2.md "From phase 1 to phase 2"): the phase-1 checkpoint has no head, no EMA and no
+    real-data cursor; the resume that adds them trains them from rollout 1 on and checkpoints them."""
+    root, save, out = run["root"], tmp_path / "ckpt", tmp_path / "run"
+    phase2 = _argv(root, out, "--save", str(save), "--num-rollout", "2")
+    run_main([*_phase1(phase2)[:-2], "--num-rollout", "1"])
+    assert read_latest(save) == 0
+    with caplog.at_level(logging.INFO, logger="train_diffusion"):
+        run_main([*phase2, "--load", str(save)])
+    lines = [record.getMessage() for record in caplog.records if record.name == "train_diffusion"]
+    assert any(
+        line.startswith(
+            "resume starts fresh what the checkpoint lacks (phase 1 -> phase 2): the actor group's EMA (--ema-decay), "
+            "the critic group's GAN head (--dmd2-gan-disc-weight)"
+        )
+        for line in lines
+    ), lines
+    critic = [r for r in _train_records(read_metrics(out), "train/critic-gan_disc_loss") if r["rollout_id"] == 1]
+    assert len(critic) == 2 and all(0.5 < r["train/critic-gan_disc_loss"] < 3.0 for r in critic)  # a fresh head
+    from miles.backends.fsdp_utils.checkpoint import saved_entries
+
+    assert any(key.startswith("train.model.disc_head.") for key in saved_entries(tmp_path / "ckpt_critic", 1))
+    assert any(key.startswith("ema.shadow.") for key in saved_entries(save, 1))

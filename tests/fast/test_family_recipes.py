@@ -169,3 +169,34 @@ def test_the_wan_recipe_passes_its_dry_run_on_user_prepared_video_latents(tmp_pa
     _common_lines(log, pipeline, out)
     # No activation layout for WanTransformer3DModel yet: one warning, not a failure.
     assert "memory plan: not available" in log or "memory per GPU" in log
+
+
+@pytest.mark.parametrize(
+    "builder, family, size, message",
+    [
+        ("write_tiny_qwen_image", "qwen_image", "500 500",
+         "sample size 500 500: height 500 is not a multiple of 16, width 500 is not a multiple of 16"),
+        ("write_tiny_qwen_image", "qwen_image", "512", "the qwen_image family takes 2 values (height width), got 1"),
+        ("write_tiny_wan", "wan", "480 832", "the wan family takes 3 values (frames height width), got 2"),
+        ("write_tiny_wan", "wan", "32 480 832", "frames 32 is not 4k + 1"),
+    ],
+)  # fmt: skip
+def test_prepare_refuses_a_wrong_sample_size_before_it_writes_or_encodes(tmp_path, builder, family, size, message):
+    # Issue 34 item 6: the size was written into the user's MODEL_DIR and the prompt cache ran (hours with a 7B text
+    # encoder) before anything refused it. The recipe's shared `prepare` step is run as a user runs it.
+    import tests.support.tiny_pipelines as tiny
+
+    pipeline = getattr(tiny, builder)(tmp_path / "pipeline")
+    index = (pipeline / "model_index.json").read_bytes()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    data, out = tmp_path / "out" / "data", tmp_path / "out"
+    env = _env(MODEL_DIR=str(pipeline), PROMPTS=str(prompts), IMAGES=str(tmp_path / "photos"), DATA=str(data),
+               OUT=str(out), SAMPLE_SIZE=size, REAL=str(tmp_path / "real.jsonl"))  # fmt: skip
+    recipe = "wan" if family == "wan" else "qwen_image"
+    proc = subprocess.run(["bash", _script(recipe), "prepare"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert (pipeline / "model_index.json").read_bytes() == index  # nothing written into the user's pipeline
+    assert not data.exists()  # and the prompt cache never ran

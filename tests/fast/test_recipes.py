@@ -3,7 +3,6 @@ digits recipe's command line parses."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from miles.utils.tracking import read_metrics
 from tests.support.ray import REPO
@@ -56,7 +54,7 @@ def test_sd35_medium_dmd2_recipe_prepares_its_data_and_passes_its_dry_run(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     # 8 ranks on one node, one bundle each (GPU bundles on a GPU machine, CPU bundles here); every rank generates.
-    assert re.search(r"placement: 8 bundles of \{(GPU: 1, )?CPU: c\}", log), log
+    assert "placement: 8 bundles of {GPU: 1, CPU: c}" in log, log  # the cluster's, also on this CPU machine
     assert "rollout: each of the 8 actor ranks generates its own shard on its student" in log
     assert "work per DP rank per rollout (DP size 8, 10 pairs per rank)" in log
     # Both groups, the critic first: K = 5 steps at the critic lr from the teacher, with the GAN head; the student
@@ -69,11 +67,8 @@ def test_sd35_medium_dmd2_recipe_prepares_its_data_and_passes_its_dry_run(tmp_pa
     assert rows[actor].split() == ["actor", str(model), "-", "2e-06", "1", f"{out}/ckpt", "-"]
     assert any(row.split() == ["--custom-build-modules-path", "miles.backends.fsdp_utils.loss_hub.gan.build_discriminator"]
                for row in rows)  # fmt: skip
-    # The groups take turns on shared GPUs; the dry run reports what this machine would do.
-    sleeps = torch.cuda.is_available()
-    assert (
-        f"schedule: rollouts 0..2999, sleep between groups on GPUs: {sleeps}, saves after rollouts [249, 499," in log
-    )
+    # The groups take turns on shared GPUs; the dry run plans the cluster's GPUs on this machine without any.
+    assert "schedule: rollouts 0..2999, sleep between groups on GPUs: True, saves after rollouts [249, 499," in log
     assert f"... (12 in all), 2999], export {out / 'student'}" in log
     assert f"eval: every 250 rollouts, 8 prompts of {data / 'prompts' / 'prompts.jsonl'}" in log
     assert "time estimate (an estimate, not a measurement: no CUDA line of miles has run yet)" in log
@@ -378,3 +373,35 @@ def test_compare_runs_names_a_missing_or_broken_run_in_one_line(tmp_path):
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == f"compare_runs.py: error: {message}", proc.stderr
+
+
+def test_the_cluster_guides_sd35_medium_memory_figures_are_the_recipes_own(tmp_path):
+    """docs/cluster.md section 4 quotes the planned peak per GPU of ``examples/sd35_medium/run_dmd2.sh`` as shipped
+    (issue 34 item 5: it quoted a gradient-checkpointed command without the GAN head and the EMA). The recipe's own
+    flags are read by running it with a ``python`` that records its argv; the plan is made on the meta device from
+    SD3.5-Medium's public transformer configuration, as the recipe's dry run makes it."""
+    from miles.driver.arguments import parse_args
+    from miles.driver.memory_plan import format_bytes, plan_run
+
+    model = tmp_path / "sd35m"
+    (model / "transformer").mkdir(parents=True)
+    config = (REPO / "miles" / "models" / "configs" / "sd35_medium.json").read_text()
+    (model / "transformer" / "config.json").write_text(config)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    bin_dir, argv_file = tmp_path / "bin", tmp_path / "argv.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {argv_file}\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "MODEL_DIR": str(model),
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+    script = str(REPO / "examples" / "sd35_medium" / "run_dmd2.sh")
+    subprocess.run(["bash", script], env=env, check=True, timeout=60)
+    argv = argv_file.read_text().splitlines()
+    assert argv[0] == "train_diffusion.py"
+    _, plans = plan_run(parse_args(argv[1:]))
+    peaks = {plan.role: format_bytes(plan.peak) for plan in plans}
+    doc = " ".join((REPO / "docs" / "cluster.md").read_text().split())
+    assert (
+        f"plans a peak of {peaks['critic']} for the critic group and {peaks['actor']} for the student: it fits an "
+        "80 GB GPU"
+    ) in doc, peaks

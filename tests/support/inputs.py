@@ -61,19 +61,20 @@ def checkpoint_layout(
     data_state=None,
     loss_type: str | None = None,
     role: str = "actor",
+    command: list[str] | None = None,
 ) -> Path:
     """A real checkpoint of ``rollout_id`` as ``checkpoint.save_checkpoint`` writes it (format 3: DCP shards of the
     modules, optimizer, schedule and RNG, ``metadata.json``; ``latest`` with ``commit``), of a 4×4 linear layer and
-    its AdamW: what the preflight reads, though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes the run
-    record of ``miles.driver.resume``; ``role`` is the group's, in its metadata."""
-    import argparse
+    its AdamW: what the preflight reads, though no trainer could load it. ``data_state`` is written as the data cursor; ``loss_type`` writes a run
+    record of ``miles.driver.resume`` with the method and optimizer settings only, ``command`` (argv) the record that
+    command writes; ``role`` is the group's, in its metadata."""
 
     import torch
 
     from miles.backends.fsdp_utils import checkpoint
     from miles.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
     from miles.config import OptimizerSpec, ScheduleSpec
-    from miles.driver.resume import run_record, write_run_record
+    from miles.driver.resume import FORMAT, run_record, write_run_record
     from miles.models.base import DENOISER
 
     module = torch.nn.Linear(4, 4)
@@ -87,12 +88,17 @@ def checkpoint_layout(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
         path = checkpoint.save_checkpoint(save_dir, rollout_id, states, role=role, data_state=data_state)
-    if loss_type is not None:
+    if command is not None:
+        # The record the command that saved it writes (its settings and what each group's checkpoint holds).
+        from tests.support.arguments import parsed_with_defaults
+
+        write_run_record(save_dir, run_record(parsed_with_defaults(command), rollout_id, None))
+    elif loss_type is not None:
+        # A record of the method and the optimizer's settings only (as before the groups were recorded).
         settings = dict(lr=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0, min_lr=0.0,
                         lr_warmup_steps=0, lr_decay_style="constant")  # fmt: skip
-        unset = dict(critic_lr=None, clip_grad=None, num_rollout=None)  # not recorded: nothing to compare a resume to
-        record = run_record(argparse.Namespace(loss_type=loss_type, **settings, **unset), rollout_id, None)
-        record["settings"] = {name: record["settings"][name] for name in settings}
+        record = {"format": FORMAT, "rollout_id": rollout_id, "method": loss_type, "settings": settings,
+                  "wandb_run_id": None}  # fmt: skip
         write_run_record(save_dir, record)
     if commit:
         (save_dir / "latest").write_text(f"{rollout_id}\n")

@@ -16,6 +16,7 @@ Each group writes ``.tmp_rollout_<id>`` and renames it to ``rollout_<id>`` when 
 commits the rollout once every group has. A checkpoint of another ``FORMAT_VERSION`` is refused with one line.
 """
 
+import copy
 import errno
 import json
 import logging
@@ -68,17 +69,43 @@ class ModulesState(Stateful):
             :func:`miles.backends.fsdp_utils.converters.keeps_in_checkpoint`); None keeps every entry.
     """
 
-    def __init__(self, modules: nn.ModuleDict, optimizer: torch.optim.Optimizer, keep=None) -> None:
-        self.modules, self.optimizer, self.keep = modules, optimizer, keep
+    def __init__(
+        self, modules: nn.ModuleDict, optimizer: torch.optim.Optimizer, keep=None, fresh: frozenset[str] = frozenset()
+    ) -> None:
+        self.modules, self.optimizer, self.keep, self.fresh = modules, optimizer, keep, fresh
+        self._built: tuple[dict, dict, list] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         # get_state_dict gives the optimizer its state entries (a zero-lr step) so a load knows what to read into.
         model_state, optim_state = get_state_dict(self.modules, self.optimizer)
         if self.keep is not None:
             model_state = {key: value for key, value in model_state.items() if self.keep(key)}
+        if self.fresh:
+            # A load of a checkpoint without these modules (phase 1 -> phase 2's GAN head) reads everything else and
+            # keeps their weights and optimizer state as built; the param groups stay this optimizer's (they list
+            # the modules' parameters; apply_optimizer_spec sets their settings after the load).
+            def built(key: str) -> bool:
+                return key.split(".", 1)[0] in self.fresh
+
+            self._built = (
+                {key: value for key, value in model_state.items() if built(key)},
+                {key: value for key, value in optim_state["state"].items() if built(key)},
+                optim_state["param_groups"],
+            )
+            model_state = {key: value for key, value in model_state.items() if not built(key)}
+            optim_state = {
+                "state": {key: value for key, value in optim_state["state"].items() if not built(key)},
+                "param_groups": copy.deepcopy(optim_state["param_groups"]),
+            }
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._built is not None:
+            model_built, optim_built, groups = self._built
+            state = {
+                "model": {**state["model"], **model_built},
+                "optimizer": {"state": {**state["optimizer"]["state"], **optim_built}, "param_groups": groups},
+            }
         # Entries a converter leaves out (a frozen base) stay as loaded from --hf-checkpoint.
         options = StateDictOptions(strict=self.keep is None)
         set_state_dict(
@@ -301,6 +328,22 @@ def _disk_full(path: str | Path) -> bool:
         return shutil.disk_usage(path).free < 1 << 20
     except OSError:
         return False
+
+
+def saved_entries(load_dir: str | Path, rollout_id: int) -> set[str]:
+    """The flattened state names a group's checkpoint of ``rollout_id`` holds (``train.model.<module>.<param>``,
+    ``ema.shadow...``), from its DCP metadata.
+
+    Raises:
+        RuntimeError: if the checkpoint is incomplete or its metadata unreadable.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = verified_dir(load_dir, rollout_id)
+    try:
+        return set(FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
+        raise RuntimeError(f"checkpoint {path} is corrupt: {type(exc).__name__}: {exc}") from exc
 
 
 def load_checkpoint(load_dir: str | Path, rollout_id: int, states: dict[str, Stateful]) -> None:

@@ -61,6 +61,13 @@ class ParameterEMA:
         # float32 shadows whatever the parameters' dtype (a frozen copy would not need it; trainables are fp32).
         self._ema.shadow_params = [shadow.detach().float().clone() for shadow in self._ema.shadow_params]
 
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Start the average again from the live weights, with its warm-up (no update made): for a resume whose
+        checkpoint kept no EMA (phase 1 -> phase 2), after the weights are loaded."""
+        self._ema.shadow_params = [param.detach().float().clone() for param in self._locals()]
+        self._ema.optimization_step = 0
+
     def _params(self) -> list[torch.Tensor]:
         named = dict(self.modules.named_parameters())
         return [named[name] for name in self.names]

@@ -17,13 +17,13 @@ import torch
 from miles.backends.fsdp_utils import checkpoint
 from miles.models.base import DENOISER
 from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, merge_lora
-from miles.utils.paths import KEEP_BEST_FILE, check_export_target, replace_dir
+from miles.utils.paths import KEEP_BEST_FILE, LORA_EXPORT_DIR, check_export_target, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
 __all__ = ["LORA_DIR", "write_pipeline"]
 
-# The adapter's subdirectory of a --save-hf-lora export.
-LORA_DIR = "lora"
+# The adapter's subdirectory of a --save-hf-lora export; an earlier export's is replaced with the pipeline.
+LORA_DIR = LORA_EXPORT_DIR
 
 
 def write_pipeline(

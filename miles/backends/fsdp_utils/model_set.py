@@ -96,8 +96,13 @@ class ModelSet:
         """Every module of the set, trainable first."""
         return [*self.trainable.values(), *self.frozen.values()]
 
-    def states(self) -> dict[str, Stateful]:
-        """The checkpoint's ``Stateful`` things by name: modules and optimizer, the EMA, the LR schedule, the RNG."""
+    def states(self, fresh: frozenset[str] = frozenset(), ema: bool = True) -> dict[str, Stateful]:
+        """The checkpoint's ``Stateful`` things by name: modules and optimizer, the EMA, the LR schedule, the RNG.
+
+        Args:
+            fresh: built modules a load leaves as built (the checkpoint has none of them: phase 1 -> phase 2).
+            ema: False leaves the EMA out (a load from a checkpoint that kept none).
+        """
         keep = None
         if self.converters:
             converters = self.converters
@@ -105,8 +110,8 @@ class ModelSet:
             def keep(key: str) -> bool:
                 return keeps_in_checkpoint(converters, key)
 
-        states: dict[str, Stateful] = {"train": ModulesState(self.trainable, self.optimizer, keep)}
-        if self.ema is not None:
+        states: dict[str, Stateful] = {"train": ModulesState(self.trainable, self.optimizer, keep, fresh)}
+        if self.ema is not None and ema:
             states["ema"] = self.ema
         states["scheduler"] = SchedulerState(self.scheduler)
         states["rng"] = RNGState()

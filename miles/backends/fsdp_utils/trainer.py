@@ -47,6 +47,7 @@ from miles.backends.fsdp_utils.model_set import ModelSet, build_model_set, local
 from miles.backends.fsdp_utils.optimizer import apply_optimizer_spec, clip_grad_norm_
 from miles.backends.fsdp_utils.sleep import SleepController
 from miles.config import GroupHooks, GroupSpec, ProfileSpec, hook_name
+from miles.models.base import DENOISER
 from miles.utils.collectives import Collectives, check_equal_counts
 from miles.utils.profiling import profiled
 from miles.utils.types import TrainPair
@@ -522,7 +523,24 @@ class GroupTrainer(GroupRank):
             RuntimeError: if the checkpoint is missing, corrupt, of another format or does not fit.
             NonFiniteWeightsError: if it holds non-finite weights.
         """
-        checkpoint.load_checkpoint(load_dir, rollout_id, self.models.states())
+        # A checkpoint of phase 1 holds no GAN head and no EMA: phase 2 starts them fresh (the driver refuses any
+        # other difference before Ray starts, miles.driver.resume); the denoiser must be there.
+        saved = checkpoint.saved_entries(load_dir, rollout_id)
+        fresh = frozenset(
+            name
+            for name in self.models.trainable
+            if name != DENOISER and not any(key.startswith(f"train.model.{name}.") for key in saved)
+        )
+        fresh_ema = self.models.ema is not None and not any(key.startswith("ema.") for key in saved)
+        checkpoint.load_checkpoint(load_dir, rollout_id, self.models.states(fresh, ema=not fresh_ema))
+        if fresh_ema:
+            self.models.ema.restart()
+        if fresh or fresh_ema:
+            started = [*sorted(fresh), *(["the EMA"] if fresh_ema else [])]
+            logger.info(
+                "%s group: the checkpoint of rollout %d holds no %s: started fresh", self.role, rollout_id,
+                ", ".join(started),
+            )  # fmt: skip
         # A resume may change --lr, --weight-decay, the betas: the loaded state holds the earlier run's.
         apply_optimizer_spec(self.models.optimizer, self.models.scheduler, self.spec.optimizer)
         self.check_finite_weights(f"the {self.role} checkpoint of rollout {rollout_id} in {load_dir}")

@@ -75,12 +75,12 @@ def test_a_float32_run_gets_its_flops_and_no_bf16_seconds_and_the_gpu_is_named(p
         log_estimate(args, 10)
     text = caplog.text
     assert "float32 compute: no seconds, the peaks are dense bf16 figures" in text
-    assert "the GPU would be H100 (assumed: no known CUDA device here)" in text
+    assert "the GPU would be H100 (assumed: no known CUDA device here; --gpu-type names another)" in text
     assert " s\n" not in text and "TFLOP for 10 rollouts" in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="miles.driver.estimate"):
         log_estimate(parse_args(_argv(pipeline, "--train-dtype", "bfloat16")), 10)
-    assert "dense bf16 peak, GPU H100 (assumed: no known CUDA device here)" in caplog.text
+    assert "dense bf16 peak, GPU H100 (assumed: no known CUDA device here; --gpu-type names another)" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["flux", "wan"])
@@ -104,3 +104,15 @@ def test_the_dry_run_of_a_stock_familys_tiny_pipeline_prints_a_memory_plan_and_a
     assert "memory plan: not available" not in text and "time estimate: none" not in text
     assert "GFLOP per sample (" in text and f"{tokens}); at an assumed 30% MFU" in text
     assert "about" in text and "s per rollout" in text
+
+
+def test_the_gpu_the_estimate_assumes_is_a_flag(pipeline, caplog):
+    # Issue 34 item 5: the estimate names the GPU it assumes, and --gpu-type chooses it (a login node has none).
+    args = parse_args(_argv(pipeline, "--train-dtype", "bfloat16", "--gpu-type", "A100"))
+    found = estimate_rollout(args)
+    assert (found.device, found.peak_tflops) == ("A100", PEAK_TFLOPS["A100"])
+    h100 = estimate_rollout(parse_args(_argv(pipeline, "--train-dtype", "bfloat16", "--gpu-type", "H100")))
+    assert found.seconds == pytest.approx(h100.seconds * PEAK_TFLOPS["H100"] / PEAK_TFLOPS["A100"])
+    with caplog.at_level(logging.INFO, logger="miles.driver.estimate"):
+        log_estimate(args, 10)
+    assert "of the A100's 312 TFLOP/s dense bf16 peak, GPU A100 (--gpu-type)" in caplog.text

@@ -314,3 +314,31 @@ def test_a_dry_run_refuses_text_encoders_that_do_not_fit_and_names_the_prompt_ca
     write_prompt_cache(pipeline, data, cache)
     cached = ["--prompt-data", str(cache / "prompts.jsonl"), "--negative-cond", str(cache / "negative.safetensors")]
     validate_inputs(parse_args(_sd3_argv(pipeline, data, tmp_path, *cached, "--gpu-memory-gb", str(gpu_gb))))
+
+
+def test_a_dry_run_whose_plan_does_not_fit_exits_2_on_one_line(tmp_path, capsys, caplog):
+    # Issue 34 item 5: "does NOT fit" was printed and the dry run exited 0. --gpu-memory-gib is GiB; the older
+    # --gpu-memory-gb is the same flag.
+    import train_diffusion
+    from tests.support.inputs import write_digit_records
+
+    pipeline = make_pipeline(tmp_path / "digits")
+    prompts = write_digit_records(tmp_path / "p.jsonl", 4, images=False)
+    argv = ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline),
+            "--prompt-data", str(prompts), "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4",
+            "--dmd2-critic-steps-per-rollout", "2", "--num-rollout", "1", "--output-dir", str(tmp_path / "out"),
+            "--dry-run"]  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        train_diffusion.main([*argv, "--gpu-memory-gib", "0.001"])
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train_diffusion.py: error:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        "train_diffusion.py: error: the memory plan does NOT fit a GPU of 1.02 MiB (--gpu-memory-gib): the "
+    ), lines[0]
+    assert "group's planned peak is" in lines[0] and "--fsdp-reshard-every-microbatch" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="miles.driver.memory_plan"):
+        train_diffusion.main([*argv, "--gpu-memory-gb", "80"])  # the older name; 80 GiB fits: the dry run returns
+    assert "GPU of 80 GiB: fits" in caplog.text

@@ -75,9 +75,17 @@ def test_log_plan_prints_groups_in_training_order_and_leaves_the_args_untouched(
     assert "profile: rollouts 2..3 on every rank, traces in outputs/run/profiles" in text  # cut at --num-rollout 4
     # Neither pipeline exists here: the estimate and the memory plan each say why they have no figure.
     assert "time estimate: none (" in text and "memory plan: not available (FileNotFoundError: " in text
-    bundle = "{GPU: 1, CPU: c}" if torch.cuda.is_available() else "{CPU: c}"
-    assert f"placement: 2 bundles of {bundle}" in text and "the 2 trainer groups share them" in text
+    # The cluster's placement, with the GPUs the command asks for, on this machine without GPUs too (issue 34 item 5).
+    assert (
+        "placement: 2 bundles of {GPU: 1, CPU: c} (one per trainer rank: --actor-num-nodes 1 x "
+        "--actor-num-gpus-per-node 2 GPUs" in text
+    )
+    assert "the 2 trainer groups share them" in text
+    here = "placement: planned for GPUs; this machine has none (a run here would take 2 bundles of {CPU: c}"
+    assert (here in text) == (not torch.cuda.is_available())
     assert "rollout: each of the 2 actor ranks generates its own shard on its student" in text
     assert "work per DP rank per rollout (DP size 2, 6 pairs per rank)" in text
     assert "scoring: teacher" in text
-    assert "schedule: rollouts 0..3" in text and "saves after rollouts [1, 3]" in text
+    assert (
+        "schedule: rollouts 0..3, sleep between groups on GPUs: True" in text and "saves after rollouts [1, 3]" in text
+    )

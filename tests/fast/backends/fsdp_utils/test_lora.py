@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.converters import LoraAdapter, build_converters
 from miles.backends.fsdp_utils.export import LORA_DIR, write_pipeline
 from miles.backends.fsdp_utils.model import load_frozen_denoiser, load_trainable_denoiser, reshard, shard_model
@@ -27,6 +28,7 @@ from miles.models.lora import (
 from miles.models.memory import meta_denoiser, transformer_config
 from miles.utils.collectives import LocalCollectives
 from miles.utils.misc import make_generator
+from miles.utils.validation import ArgumentValidationError
 from tests.support.trainer import (
     TEXT_DIM,
     TEXT_LEN,
@@ -212,6 +214,27 @@ def test_the_adapter_export_loads_with_stock_diffusers_and_samples_as_the_merged
     assert abs(got - expected).max() <= 1  # the same images, to uint8 rounding
 
 
+def test_an_extended_run_replaces_its_own_adapter_export_and_nothing_else(pipeline, family, tmp_path):
+    # docs/cluster.md section 8: a LoRA run extended with --load ... --overwrite-save-hf --save-hf-lora exports again
+    # over its first export, whose lora/ the export itself wrote.
+    model = _lora_model(family, pipeline)
+    out = tmp_path / "export"
+    export = dict(run_paths=[], lora=LORA, save_lora=True)
+    write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=False, **export)
+    assert sorted(p.name for p in (out / LORA_DIR).iterdir()) == ["pytorch_lora_weights.safetensors"]
+    first = (out / LORA_DIR / "pytorch_lora_weights.safetensors").read_bytes()
+    _randomize_adapter(model)  # the same seed: perturb one entry so that the second export differs
+    with torch.no_grad():
+        next(param for _, param in adapter_parameters(model, ADAPTER_NAME)).add_(1.0)
+    write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=True, **export)
+    assert (out / LORA_DIR / "pytorch_lora_weights.safetensors").read_bytes() != first
+    # A file of the user's in lora/ is still theirs: the export refuses to replace the directory.
+    (out / LORA_DIR / "notes.txt").write_text("mine\n")
+    with pytest.raises(ArgumentValidationError, match=r"holds lora/notes.txt, not part of the pipeline"):
+        write_pipeline(pipeline, out, family, model.state_dict(), None, overwrite=True, **export)
+    assert (out / LORA_DIR / "notes.txt").read_text() == "mine\n"
+
+
 def _velocity(family, model) -> torch.Tensor:
     gen = make_generator("test_lora_velocity", 0)
     latents = torch.randn(2, 1, 8, 8, generator=gen)
@@ -243,3 +266,50 @@ def test_a_rank_above_every_adapted_layers_width_is_warned(pipeline, tmp_path, c
     assert args.lora_rank == max(widths) + 1  # it trains: a recipe for a wide model may run on a narrow test model
     assert f"--lora-rank {max(widths) + 1} exceeds min(in, out) of every adapted Linear" in caplog.text
     assert f"(at most {max(widths)})" in caplog.text
+
+
+def _head(args, models):
+    """A built module of the phase-2 kind (the GAN head's place), seeded."""
+    head = torch.nn.Linear(4, 2)
+    gen = make_generator("test_phase2_head", 0)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return {"head": head}
+
+
+def test_phase_2_starts_its_head_and_ema_fresh_from_a_phase_1_checkpoint(pipeline, family, tmp_path):
+    # Issue 34 item 4: a phase-1 checkpoint (no built module, no EMA) resumed by a command that adds both loads
+    # the denoiser and its optimizer state exactly and starts the head as built and the EMA from the loaded weights.
+    args = make_args(pipeline, tmp_path, lora_rank=4, lora_alpha=8.0)
+    phase1 = _trainer(args, family)
+    _train(phase1, family, range(2))
+    phase1.save(str(tmp_path / "ckpt"), 1)
+    assert not any(
+        key.startswith(("train.model.head.", "ema.")) for key in checkpoint.saved_entries(tmp_path / "ckpt", 1)
+    )
+
+    torch.manual_seed(args.seed)
+    phase2 = make_trainer(make_args(pipeline, tmp_path, lora_rank=4, lora_alpha=8.0, ema_decay=0.9), family=family,
+                          device=CPU, collectives=LocalCollectives(), build_modules=_head)  # fmt: skip
+    built = {name: value.clone() for name, value in phase2.models.trainable["head"].state_dict().items()}
+    phase2.load(str(tmp_path / "ckpt"), 1)
+    for name, value in phase1.models.denoiser.state_dict().items():
+        assert torch.equal(phase2.models.denoiser.state_dict()[name], value), name
+    assert all(torch.equal(phase2.models.trainable["head"].state_dict()[name], value) for name, value in built.items())
+    by_name = dict(phase1.models.trainable.named_parameters())
+    compared = 0
+    for name, param in phase2.models.trainable.named_parameters():
+        if name in by_name and param.requires_grad:
+            old, new = phase1.models.optimizer.state[by_name[name]], phase2.models.optimizer.state[param]
+            assert torch.equal(old["exp_avg"], new["exp_avg"]) and torch.equal(old["exp_avg_sq"], new["exp_avg_sq"])
+            compared += 1
+    assert compared == len(adapter_parameters(phase1.models.denoiser, ADAPTER_NAME))
+    ema = phase2.models.ema
+    assert ema.num_updates == 0
+    live = dict(phase2.models.trainable.named_parameters())
+    assert all(torch.equal(shadow, live[name].detach()) for name, shadow in zip(ema.names, ema.shadows))
+    # Its next save holds the head and the EMA: a later resume of phase 2 loads them.
+    phase2.save(str(tmp_path / "ckpt2"), 2)
+    saved = checkpoint.saved_entries(tmp_path / "ckpt2", 2)
+    assert any(key.startswith("train.model.head.") for key in saved) and any(key.startswith("ema.") for key in saved)
