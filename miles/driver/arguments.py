@@ -9,11 +9,11 @@ generated from ``build_parser()`` (``python -m miles.driver.cli_reference``).
 
 import argparse
 
-from miles.driver.estimate import DEFAULT_DEVICE, PEAK_TFLOPS
 from miles.driver.family_defaults import fill_flow_shifts, fill_negative_prompt
 from miles.driver.validators import NUMBER_RULES, group_paths, method_flag_dests, run_paths, validate_args
 from miles.methods import METHODS, get_method
 from miles.models.lora import parse_target_modules
+from miles.utils.device import DEFAULT_DEVICE, PEAK_TFLOPS
 from miles.utils.profiling import add_profiling_args
 from miles.utils.validation import ArgumentValidationError, float_list, rollout_pairs
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.utils.device import DEFAULT_DEVICE, PEAK_TFLOPS
+
 __all__ = ["ASSUMED_MFU", "PEAK_TFLOPS", "Estimate", "assumed_gpu", "estimate_rollout", "log_estimate"]
 
 logger = logging.getLogger(__name__)
@@ -35,9 +37,6 @@ logger = logging.getLogger(__name__)
 # An assumed model-FLOPs utilisation for bf16 DiT training with FSDP2; replaced by a measurement once
 # benchmarks/gpu_check.py has run on the cluster's GPU.
 ASSUMED_MFU = 0.30
-# Dense bf16 peak TFLOP/s by device name (vendor data sheets; the same table as benchmarks/gpu_check.py).
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
-DEFAULT_DEVICE = "H100"
 # The compute dtypes whose seconds the bf16 peaks give.
 TIMED_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -92,7 +92,7 @@ class KeepBest:
     @classmethod
     def from_args(cls, args) -> "KeepBest | None":
         """The tracker of ``--keep-best`` (None without the flag)."""
-        if not getattr(args, "keep_best", None):
+        if not args.keep_best:
             return None
         return cls(*parse_keep_best(args.keep_best))
 

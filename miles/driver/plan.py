@@ -216,7 +216,7 @@ def log_eval_plan(args) -> None:
         args.eval_n_samples_per_prompt,
         len(records),
     )
-    if getattr(args, "keep_best", None):
+    if args.keep_best:
         from miles.driver.keep_best import best_export_dir, parse_keep_best
 
         metric, mode = parse_keep_best(args.keep_best)

@@ -171,11 +171,7 @@ def validate_args(args: argparse.Namespace) -> None:
     groups = group_layout(args)
     if args.overwrite_save and args.load:
         # Any group's save directory that any group loads from (--save X_critic beside --load X, too).
-        loads = {
-            os.path.realpath(group.checkpoint.load): group.role
-            for group in groups
-            if group.checkpoint.load
-        }
+        loads = {os.path.realpath(group.checkpoint.load): group.role for group in groups if group.checkpoint.load}
         for name, path in group_paths(args, ("save",), groups):
             role = loads.get(os.path.realpath(path))
             if role is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from miles.models.pipeline_files import DENOISER
+from miles.utils.paths import link_or_copy
 
 __all__ = ["FUSED_DIR", "apply_teacher_loras", "fuse_loras", "parse_teacher_lora"]
 
@@ -97,7 +98,7 @@ def fuse_loras(family, pipeline: str | Path, loras: list[tuple[str, float]], out
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(
-        pipeline, tmp, copy_function=_link_or_copy, ignore=lambda _, files: [f for f in files if f[0] == "."]
+        pipeline, tmp, copy_function=link_or_copy, ignore=lambda _, files: [f for f in files if f[0] == "."]
     )
     shutil.rmtree(tmp / DENOISER)
     model.save_pretrained(tmp / DENOISER)
@@ -119,7 +120,7 @@ def apply_teacher_loras(args: Namespace) -> Path | None:
     """
     from miles.models import get_model_family
 
-    if not getattr(args, "teacher_lora", None):
+    if not args.teacher_lora:
         return None
     teacher = os.path.realpath(args.teacher_load)
     family = get_model_family(args.teacher_load, args.diffusion_model_family)
@@ -136,20 +137,12 @@ def apply_teacher_loras(args: Namespace) -> Path | None:
         def starts_from_teacher(value) -> bool:
             return bool(value) and os.path.realpath(value) == teacher
 
-        for flag in ("hf_checkpoint", "critic_load"):
-            if starts_from_teacher(getattr(args, flag, None)):
-                setattr(args, flag, fused)
+        if starts_from_teacher(args.hf_checkpoint):
+            args.hf_checkpoint = fused
+        if starts_from_teacher(args.critic_load):
+            args.critic_load = fused
         # a method's settings, parsed once (DMD2Settings.critic_load), carry the critic's source too
-        settings = getattr(args, "method_settings", None)
+        settings = args.method_settings
         if dataclasses.is_dataclass(settings) and starts_from_teacher(getattr(settings, "critic_load", None)):
             args.method_settings = dataclasses.replace(settings, critic_load=fused)
     return Path(fused)
-
-
-def _link_or_copy(src: str, dst: str) -> str:
-    # The teacher's text encoders and VAE are not changed: hard-link them when possible.
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst

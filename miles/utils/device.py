@@ -4,7 +4,13 @@ import os
 
 import torch
 
-__all__ = ["cuda_index", "worker_device"]
+__all__ = ["DEFAULT_DEVICE", "PEAK_TFLOPS", "cuda_index", "worker_device"]
+
+# Dense bf16 peak TFLOP/s by GPU name (vendor data sheets): the time estimate's (``--gpu-type``) and the GPU check's
+# MFU denominator.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
+# The GPU the time estimate assumes on a machine without a known one.
+DEFAULT_DEVICE = "H100"
 
 
 def _visible_devices() -> list[str] | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from miles.utils.validation import reject
 
 __all__ = [
+    "link_or_copy",
     "KEEP_BEST_FILE",
     "LORA_EXPORT_DIR",
     "check_export_target",
@@ -164,3 +165,13 @@ def sibling_dir(path: str | None, suffix: str) -> str | None:
     if path is None:
         return None
     return os.path.normpath(path) + suffix
+
+
+def link_or_copy(src: str, dst: str) -> str:
+    """``shutil.copytree``'s ``copy_function`` for a pipeline copy that leaves most files unchanged: a hard link
+    (the GBs of text encoders and VAE cost no space), or a copy where the file system refuses one. Returns ``dst``."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst

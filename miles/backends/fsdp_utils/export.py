@@ -7,7 +7,6 @@ crash leaves either the old directory or the new one, never half of one.
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from miles.backends.fsdp_utils import checkpoint
 from miles.models.base import DENOISER
 from miles.models.lora import ADAPTER_NAME, LoraSettings, adapter_parameters, add_lora_adapter, merge_lora
-from miles.utils.paths import KEEP_BEST_FILE, LORA_EXPORT_DIR, check_export_target, replace_dir
+from miles.utils.paths import KEEP_BEST_FILE, LORA_EXPORT_DIR, check_export_target, link_or_copy, replace_dir
 from miles.utils.validation import CheckpointWriteError
 
 __all__ = ["LORA_DIR", "write_pipeline"]
@@ -79,7 +78,7 @@ def write_pipeline(
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src, tmp, copy_function=_link_or_copy, ignore=_hidden)
+        shutil.copytree(src, tmp, copy_function=link_or_copy, ignore=_hidden)
         model = family.load_denoiser(str(src), dtype=torch.float32)
         if lora is None:
             model.load_state_dict(state_dict)
@@ -146,12 +145,3 @@ def _write_adapter(model: torch.nn.Module, out: Path) -> None:
 
 def _hidden(directory: str, names: list[str]) -> list[str]:
     return [name for name in names if name.startswith(".")]
-
-
-def _link_or_copy(src: str, dst: str) -> str:
-    # Pipelines hold GBs of text encoders and VAE that the export does not change: hard-link them when possible.
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst

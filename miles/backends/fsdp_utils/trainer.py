@@ -268,9 +268,7 @@ class GroupTrainer(GroupRank):
     ) -> None:
         if not spec.trains:
             raise ValueError(f"the {spec.role} group's spec has no model source: it is frozen (FrozenGroupRunner)")
-        super().__init__(
-            spec, family, device, collectives, args, profile, 1 if cp_mesh is None else cp_mesh.size()
-        )
+        super().__init__(spec, family, device, collectives, args, profile, 1 if cp_mesh is None else cp_mesh.size())
         self.hooks = check_hooks(spec.hooks)
         self.output_before = spec.train_output_before_step
         if self.output_before is not None and not 0 <= self.output_before < spec.steps_per_rollout:
