@@ -161,10 +161,12 @@ class FSDPTrainRayActor:
         return start_rollout_id
 
     def describe(self) -> dict[str, Any]:
-        """Rank 0's start-up summary for the driver's one line per group: device, parameters, memory held."""
+        """Rank 0's start-up summary for the driver's one line per group: device, torch's intra-op threads (the
+        bundle's CPUs, set by ``init``), parameters, memory held."""
         models = self.trainer.models
         return {
             "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "trainable_parameters": sum(p.numel() for p in models.trainable_parameters()),
             "frozen_parameters": sum(p.numel() for p in models.frozen_parameters()),
             "sharded": self.world_size > 1 and bool(models.modules()),  # a frozen group holds no module

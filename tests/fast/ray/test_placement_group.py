@@ -260,6 +260,8 @@ def test_create_training_models_builds_dmd2_critic_first(ray_cluster, pipeline, 
         critic_rank0, actor_rank0 = (ray.get(group.actors[0].describe.remote()) for group in groups.values())
         assert critic_rank0["frozen_parameters"] == critic_rank0["trainable_parameters"] > 0
         assert actor_rank0["frozen_parameters"] == 0 and actor_rank0["sharded"] is True
+        # Each rank runs as many torch threads as its bundle has CPUs: the session's 4 CPUs over 2 ranks.
+        assert critic_rank0["threads"] == actor_rank0["threads"] == placement.bundle_cpus(args) == 2
     finally:
         for group in groups.values():
             group.shutdown()
