@@ -113,8 +113,9 @@ class FSDPTrainRayActor:
             role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
             master_addr, master_port: rank 0's address (``get_master_addr_and_port``).
             rank, world_size: this rank and the group's data-parallel size.
-            num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle (the groups of a
-                bundle train one at a time, so each may use all of them).
+            num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle, at most
+                ``OMP_NUM_THREADS`` (``miles.ray.placement_group.rank_threads``; the groups of a bundle train one at
+                a time, so each may use all of them).
             load_rollout_id: the committed rollout to resume from its load directory (the driver resolves it), or
                 None.
 
