@@ -696,23 +696,25 @@ def tail(path: Path, lines: int = 40) -> str:
         return "".join(deque(f, maxlen=lines))
 
 
-def run_miles(run: MilesRun, timeout: float, log) -> None:
+def run_miles(run: MilesRun, timeout: float, log, threads: int | None = None) -> None:
     """Run ``run.command`` with its output in ``run.log_path``; fill ``run.perf`` from its ``metrics.jsonl``.
 
     Raises:
         RuntimeError: when the run fails or exceeds ``timeout`` seconds; the message holds its last log lines.
     """
-    run_miles_together([run], timeout, log)
+    run_miles_together([run], timeout, log, threads)
 
 
-def run_miles_together(runs: list[MilesRun], timeout: float, log) -> None:
+def run_miles_together(runs: list[MilesRun], timeout: float, log, threads: int | None = None) -> None:
     """Start every run of ``runs`` at once (each its own local Ray cluster, as two users' runs on one machine) and
-    wait for all; fill each ``run.perf`` from its ``metrics.jsonl``.
+    wait for all; fill each ``run.perf`` from its ``metrics.jsonl``. ``threads`` caps each rank's torch threads
+    (``OMP_NUM_THREADS``, which the driver reads: ``miles.ray.placement_group.rank_threads``), so that ``--threads``
+    holds for the bare loop and miles alike.
 
     Raises:
         RuntimeError: when a run fails or exceeds ``timeout`` seconds; the message holds its last log lines.
     """
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     start = time.perf_counter()
     for run in runs:
         run.output_dir.mkdir(parents=True, exist_ok=True)
@@ -941,7 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=TRAINER_THREADS,
-        help=f"torch threads of the bare loop; default {TRAINER_THREADS}, what a 1-rank trainer process runs.",
+        help=f"torch threads of the bare loop, and at most those of each miles rank (OMP_NUM_THREADS); default "
+        f"{TRAINER_THREADS}, what a 1-rank trainer process runs. --threads 1 on a machine shared with other work.",
     )
     defaults = BareConfig()
     parser.add_argument("--rollout-batch-size", type=int, default=defaults.rollout_batch_size)
@@ -1155,7 +1158,7 @@ def _measure(
             run = miles_run(ranks, f"miles_{ranks}rank")
             log(f"miles ({args.size}), {_ranks(ranks)}: {args.rollouts} rollouts, log {run.log_path}")
             try:
-                run_miles(run, args.run_timeout, log)
+                run_miles(run, args.run_timeout, log, args.threads)
             except RuntimeError as exc:
                 failed = str(exc)
                 break
@@ -1172,7 +1175,7 @@ def _measure(
         pair = [miles_run(ranks, f"side_by_side_{ranks}rank_{which}") for which in ("a", "b")]
         log(f"miles ({args.size}), two {_ranks(ranks)} runs side by side, each its own Ray cluster")
         try:
-            run_miles_together(pair, args.run_timeout, log)
+            run_miles_together(pair, args.run_timeout, log, args.threads)
         except RuntimeError as exc:
             failed = str(exc)
         else:
