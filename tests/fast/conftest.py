@@ -7,32 +7,35 @@ from tests.support.ray import export_test_environment, ray_session
 
 export_test_environment()
 
-# Seconds each of the slowest test files took in one process (the sum of its tests' setup, call and teardown), from
-# `--durations` of full runs on the 2-core machine (docs/performance.md, "The test suite"). With `-n 2 --dist
-# loadfile` each file runs whole on one worker; handing them out longest first (the LPT rule) keeps a long file from
-# starting last on one worker while the other has nothing left. The files not listed follow in collection order.
-# The figures only order the files: a stale one costs balance, never a test.
+# Seconds each of the slowest test files took (the sum of its tests' setup, call and teardown), from `--durations` of
+# `.ci/run` at b02f1df on the 2-core machine while other sessions' tests ran beside it (docs/performance.md, "The test
+# suite"; files outside its 25 slowest tests from earlier runs). With `-n 2 --dist loadfile` each file runs whole on
+# one worker; handing them out longest first (the LPT rule) keeps a long file from starting last on one worker while
+# the other has nothing left. The files not listed follow in collection order. The figures only order the files: a
+# stale one costs balance, never a test.
 FILE_SECONDS = {
-    "test_dmd2_gan_e2e.py": 370,
-    "test_faults.py": 310,
-    "test_recipes.py": 260,
-    "benchmarks/test_gpu_check.py": 240,
-    "models/test_wan.py": 225,
-    "models/test_qwen_image.py": 210,
-    "test_dmd2_e2e.py": 200,
-    "models/test_flux2.py": 190,
-    "test_train_diffusion.py": 150,
-    "models/test_flux.py": 150,
-    "test_family_recipes.py": 145,
-    "test_dmd2_lora_e2e.py": 140,
-    "driver/test_bad_inputs.py": 130,
-    "backends/fsdp_utils/test_actor.py": 120,
-    "models/test_sd3_stock_export.py": 110,
-    "models/test_family_plugin.py": 105,
-    "test_multinode.py": 105,
+    "test_dmd2_gan_e2e.py": 750,
+    "test_dmd2_e2e.py": 430,
+    "test_recipes.py": 360,
+    "models/test_flux2.py": 345,
+    "test_faults.py": 330,
+    "benchmarks/test_gpu_check.py": 315,
+    "models/test_qwen_image.py": 285,
+    "models/test_sd3_stock_export.py": 215,
+    "test_train_diffusion.py": 200,
+    "models/test_flux.py": 200,
+    "test_family_recipes.py": 190,
+    "models/test_family_plugin.py": 190,
+    "models/test_wan.py": 145,
+    "backends/fsdp_utils/test_actor.py": 140,
+    "test_keep_best_e2e.py": 125,
+    "test_multinode.py": 120,
+    "test_dmd2_lora_e2e.py": 110,
+    "driver/test_bad_inputs.py": 100,
+    "test_pinned_figures.py": 90,
+    "backends/fsdp_utils/test_mixed_precision.py": 80,
     "test_dmd2_reward_e2e.py": 75,
     "driver/test_evaluation.py": 60,
-    "test_keep_best_e2e.py": 45,
 }
 
 
