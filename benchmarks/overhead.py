@@ -1,9 +1,9 @@
-"""What miles' machinery costs on top of the DMD2 math: a bare single-process loop against ``train_diffusion.py``.
+"""What miles' machinery costs on top of the DMD2 math: bare loops of the same math against ``train_diffusion.py``.
 
-    python benchmarks/overhead.py                          # the measurement of issue 9 (about 3 minutes on 2 cores)
-    python benchmarks/overhead.py --rollouts 4 --warmup 1  # a quick look
-    python benchmarks/overhead.py --skip-miles --json /tmp/bare.json
-    python benchmarks/overhead.py --size compute --rollouts 12 --warmup 2  # 14.2M parameters (about 10 minutes)
+    python benchmarks/overhead.py                 # issue 32's four ratios, both sizes (about 15 minutes on 2 cores)
+    python benchmarks/overhead.py --quick         # the same, 8 and 4 rollouts: a quick look
+    python benchmarks/overhead.py --size tiny --skip-side-by-side --json /tmp/overhead.json
+    python benchmarks/overhead.py --size compute --rollouts 12 --warmup 2  # 14.2M parameters, every comparison
 
 One invocation times, on one digits pipeline and the same sizes (defaults: the ``init`` pipeline with
 ``--max-length 8``, 0.63M parameters, or 14.2M with ``--size compute``; 40 prompts per rollout, K = 5 critic steps, 4 student steps, teacher CFG 3,
@@ -27,13 +27,19 @@ micro-batch 8):
     Every draw uses the trainer's ``make_generator`` keys, so its stop steps, noise and losses are the trainer's
     (``tests/fast/benchmarks/test_overhead_bare_loop.py`` checks them against the engine and the loss hooks).
 
-(b) ``train_diffusion.py --loss-type dmd2`` on the same pipeline (student, teacher and critic all from it) and sizes,
+(b) the same loop as 2 processes of ``fully_shard`` over gloo (this script with ``--bare-rank``): each rank takes half
+    of every rollout's samples (their rollout-wide ids), each model is one FSDP2 unit that stays gathered through a
+    phase and reduce-scatters once per optimizer window, as miles' default; no Ray, hooks or driver.
+
+(c) ``train_diffusion.py --loss-type dmd2`` on the same pipeline (student, teacher and critic all from it) and sizes,
     at 1 DP rank (micro-batch 8) and 2 DP ranks (micro-batch 4), as subprocesses with their own ``--output-dir`` and
     log file; their per-rollout ``perf/*`` records (``metrics.jsonl``) give the phase breakdown.
 
-It prints the medians over rollouts ``--warmup``..``--rollouts − 1`` (5–25 by default), the ratios against the
-issue's bars (miles 1 rank ≤ 1.3× the bare loop and 2 ranks ≤ 1.2× 1 rank at the tiny size; ≤ 1.10× and ≤ 1.0× at
-the compute size) and one breakdown table per run. The figures depend on the machine and its load; the bars are
+(d) two 2-rank runs of (c) side by side, each its own local Ray cluster, every phase against the run alone.
+
+It prints the medians over rollouts ``--warmup``..``--rollouts − 1``, one breakdown table per run and issue 32's four
+ratios: miles 1 rank / (a) at the tiny size (≤ 1.25×) and at the compute size (≤ 1.05×), miles 2 ranks / (b)
+(≤ 1.15×), and the worst phase of (d) / alone (≤ 2.5×). The figures depend on the machine and its load; the bars are
 meant for a quiet 2-core machine.
 """
 
@@ -51,7 +57,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,9 +74,15 @@ TRAINER_THREADS = max(1, os.cpu_count() or 1)
 # denoiser, where a rollout's fixed cost (Ray, hooks, collectives' latency) weighs most, and the same digits pipeline
 # at 14.2M parameters (4 layers of width 320), where the work per rollout outweighs it as it does at SD3.5 scale.
 SIZES = {
-    "tiny": {"init_flags": [], "bars": (1.3, 1.2)},
-    "compute": {"init_flags": ["--num-attention-heads", "5", "--attention-head-dim", "64"], "bars": (1.10, 1.0)},
+    "tiny": {"init_flags": [], "bars": (1.25, 1.15)},
+    "compute": {"init_flags": ["--num-attention-heads", "5", "--attention-head-dim", "64"], "bars": (1.05, 1.15)},
 }
+# Two runs side by side, each against itself alone, in every phase (issue 32).
+SIDE_BY_SIDE_BAR = 2.5
+# A phase shorter than this alone (seconds, median) is left out of the side-by-side ratio: its ratio is noise.
+SIDE_BY_SIDE_MIN_S = 0.02
+# --quick: (rollouts, warmup) per size.
+QUICK = {"tiny": (8, 2), "compute": (4, 1)}
 NUM_TRAIN_TIMESTEPS = 1000
 BARE_PHASES = ("generation", "critic_steps", "scoring", "actor")
 ROLES = ("critic", "actor")
@@ -190,18 +202,36 @@ class BareDMD2Loop:
         ValueError: from ``BareConfig.validate``.
     """
 
-    def __init__(self, pipeline: str | Path, prompts: list[str], config: BareConfig) -> None:
+    def __init__(
+        self, pipeline: str | Path, prompts: list[str], config: BareConfig, rank: int = 0, world_size: int = 1
+    ) -> None:
         from diffusers import SD3Transformer2DModel
 
         from miles.models import get_model_family
 
-        config.validate()
+        self.rank, self.world_size = rank, world_size
+        if world_size == 1:
+            config.validate()
+        else:
+            # config.micro_batch_size is this rank's; the rollout's samples split evenly over the ranks.
+            check_miles_sizes(replace(config, micro_batch_size=config.micro_batch_size * world_size), world_size)
         self.config = config
+        self.local_n = config.rollout_batch_size // world_size
+        self.first = rank * self.local_n  # this rank's first sample of each rollout
         folder = Path(pipeline) / "transformer"
         self.student = SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.float32).train()
         self.critic = SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.float32).train()
         self.teacher = SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
         self.teacher.requires_grad_(False)
+        if world_size > 1:
+            # What miles does by default (miles.backends.fsdp_utils.model): each model one FSDP2 unit over gloo that
+            # stays gathered through a phase; a window reduce-scatters its gradients once, after its last backward.
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world_size,))
+            for model in (self.student, self.critic, self.teacher):
+                fully_shard(model, mesh=mesh, reshard_after_forward=False)
         model_config = self.student.config
         self.latent_shape = (model_config.in_channels, model_config.sample_size, model_config.sample_size)
 
@@ -223,10 +253,28 @@ class BareDMD2Loop:
         # torch's AdamW defaults for plain CPU tensors (foreach=None picks the per-tensor loop on the CPU; betas and
         # eps are also miles' defaults) without weight decay (miles' --weight-decay 0), and a constant learning-rate
         # schedule stepped per window, as the trainer's LambdaLR.
-        self.student_opt = torch.optim.AdamW(self.student.parameters(), lr=config.lr, weight_decay=0.0)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr, weight_decay=0.0)
+        # Sharded: foreach=True, as miles (foreach=None takes the per-tensor loop for DTensors, 20% of a rank's time).
+        foreach = True if world_size > 1 else None
+        self.student_opt = torch.optim.AdamW(
+            self.student.parameters(), lr=config.lr, weight_decay=0.0, foreach=foreach
+        )
+        self.critic_opt = torch.optim.AdamW(
+            self.critic.parameters(), lr=config.critic_lr, weight_decay=0.0, foreach=foreach
+        )
         self.student_sched = torch.optim.lr_scheduler.LambdaLR(self.student_opt, lambda step: 1.0)
         self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, lambda step: 1.0)
+
+    def _sync(self, model: nn.Module, last_micro_batch: bool) -> None:
+        """Sharded: reduce-scatter and reshard only after a window's last backward (miles' ``window_sync``)."""
+        if self.world_size > 1:
+            model.set_requires_gradient_sync(last_micro_batch)
+            model.set_reshard_after_backward(last_micro_batch)
+
+    def _reshard(self, *models: nn.Module) -> None:
+        """Sharded: free the gathered parameters at a no-grad phase's end, as the trainer does."""
+        if self.world_size > 1:
+            for model in models:
+                model.reshard()
 
     def cond(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Batched positive cond kwargs of the prompt-table rows ``rows``."""
@@ -238,7 +286,7 @@ class BareDMD2Loop:
         c = self.config
         draws = [
             torch.randint(c.num_steps, (1,), generator=make_generator("stop_step", c.rollout_seed, rollout_id, b))
-            for b in range(c.rollout_batch_size)
+            for b in range(self.first, self.first + self.local_n)
         ]
         return torch.cat(draws)
 
@@ -261,8 +309,8 @@ class BareDMD2Loop:
         after step k from ``make_generator("renoise", rollout_seed, r, b, k)``.
         """
         c = self.config
-        n = c.rollout_batch_size
-        start = rollout_id * n
+        n = self.local_n
+        start = rollout_id * c.rollout_batch_size + self.first
         prompt_rows = self.pool_rows[[(start + b) % len(self.pool_rows) for b in range(n)]]
         stop = self.stop_steps(rollout_id)
         last_step = int(stop.max())
@@ -271,7 +319,8 @@ class BareDMD2Loop:
         for lo in range(0, n, c.micro_batch_size):
             indices = range(lo, min(lo + c.micro_batch_size, n))
             cond = self.cond(prompt_rows[lo : indices.stop])
-            x = self._noise("init_noise", rollout_id, indices)
+            keys = range(self.first + indices.start, self.first + indices.stop)  # the samples' rollout-wide ids
+            x = self._noise("init_noise", rollout_id, keys)
             for k in range(last_step + 1):
                 sigma, sigma_next = float(self.sampling_sigmas[k]), float(self.sampling_sigmas[k + 1])
                 timestep = torch.full((len(indices),), float(self.sampling_timesteps[k]), dtype=torch.float32)
@@ -280,7 +329,8 @@ class BareDMD2Loop:
                 latents[lo + here] = x[here]
                 x0_kept[lo + here] = x0[here]
                 if k < last_step:
-                    x = (1.0 - sigma_next) * x0 + sigma_next * self._noise("renoise", rollout_id, indices, k)
+                    x = (1.0 - sigma_next) * x0 + sigma_next * self._noise("renoise", rollout_id, keys, k)
+        self._reshard(self.student)
         return Rollout(
             prompt_rows=prompt_rows,
             stop_steps=stop,
@@ -297,7 +347,7 @@ class BareDMD2Loop:
         One generator, ``make_generator("sample", seed, rollout, microbatch, 0)``, draws the grid indices (uniform
         over the 1000 points) and then ``ε``, as the trainer's SFT hook does.
         """
-        generator = make_generator("sample", self.config.seed, rollout_id, microbatch_id, 0)
+        generator = make_generator("sample", self.config.seed, rollout_id, microbatch_id, self.rank)
         grid_index = torch.randint(0, NUM_TRAIN_TIMESTEPS, (len(x0),), generator=generator)
         noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
         sigma = self.grid_sigmas[grid_index].float().view(-1, 1, 1, 1)
@@ -312,12 +362,13 @@ class BareDMD2Loop:
         clipped AdamW step. Micro-batch ids count on over the windows, as in the trainer. Returns the window's mean
         per-pair loss."""
         c = self.config
-        size = c.rollout_batch_size // c.critic_steps
+        size = self.local_n // c.critic_steps
         first = window_index * size
         per_window = math.ceil(size / c.micro_batch_size)
         total = 0.0
         for j, lo in enumerate(range(first, first + size, c.micro_batch_size)):
             sl = slice(lo, min(lo + c.micro_batch_size, first + size))
+            self._sync(self.critic, j == per_window - 1)
             x_sigma, timestep, target = self.critic_batch(rollout.x0[sl], rollout_id, window_index * per_window + j)
             v = _velocity(self.critic, x_sigma, timestep, self.cond(rollout.prompt_rows[sl]))
             loss = (v - target).pow(2).flatten(1).mean(dim=1).sum()
@@ -343,10 +394,10 @@ class BareDMD2Loop:
         """
         c = self.config
         x0_real, x0_fake = [], []
-        for m, lo in enumerate(range(0, c.rollout_batch_size, c.micro_batch_size)):
+        for m, lo in enumerate(range(0, self.local_n, c.micro_batch_size)):
             sl = slice(lo, lo + c.micro_batch_size)
             x0_hat = rollout.x0[sl]
-            generator = make_generator("dmd2_score", c.seed, rollout_id, m, 0)
+            generator = make_generator("dmd2_score", c.seed, rollout_id, m, self.rank)
             grid_index = self.scoring_indices[
                 torch.randint(0, len(self.scoring_indices), (len(x0_hat),), generator=generator)
             ]
@@ -370,16 +421,18 @@ class BareDMD2Loop:
             v_fake = _velocity(self.critic, x_sigma, timestep, cond)
             x0_real.append(x_sigma - sigma * v_real)
             x0_fake.append(x_sigma - sigma * v_fake)
+        self._reshard(self.teacher, self.critic)
         return torch.cat(x0_real), torch.cat(x0_fake)
 
     # -- actor -------------------------------------------------------------------------------------------------------
     def actor_step(self, rollout: Rollout, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> float:
         """One optimizer window of the DMD2 generator surrogate over all pairs; returns its mean per-pair loss."""
         c = self.config
-        n = c.rollout_batch_size
+        n = self.local_n
         total = 0.0
         for lo in range(0, n, c.micro_batch_size):
             sl = slice(lo, lo + c.micro_batch_size)
+            self._sync(self.student, lo + c.micro_batch_size >= n)
             v = _velocity(self.student, rollout.latents[sl], rollout.timestep[sl], self.cond(rollout.prompt_rows[sl]))
             x0 = rollout.latents[sl] - rollout.sigma[sl].float().view(-1, 1, 1, 1) * v
             with torch.no_grad():
@@ -419,6 +472,82 @@ def run_bare(pipeline: Path, prompts: list[str], config: BareConfig, rollouts: i
         if log is not None:
             log(f"bare loop: rollout {rollout_id + 1}/{rollouts} {stats[-1].seconds['total']:.3f} s")
     return stats
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bare_rank_command(args: argparse.Namespace, config: BareConfig, pipeline: Path, prompt_data: Path, rank: int,
+                      world_size: int, port: int, out: Path) -> list[str]:  # fmt: skip
+    """This script's command for rank ``rank`` of the bare ``fully_shard`` loop (``config.micro_batch_size`` is the
+    rank's micro-batch)."""
+    # fmt: off
+    return [
+        sys.executable, str(Path(__file__).resolve()), "--bare-rank", f"{rank}/{world_size}", "--bare-port", str(port),
+        "--pipeline", str(pipeline), "--prompt-data", str(prompt_data), "--rollouts", str(args.rollouts),
+        "--threads", str(max(1, (os.cpu_count() or 1) // world_size)), "--json", str(out),
+        "--rollout-batch-size", str(config.rollout_batch_size), "--micro-batch-size", str(config.micro_batch_size),
+        "--dmd2-critic-steps-per-rollout", str(config.critic_steps), "--diffusion-num-steps", str(config.num_steps),
+        "--guidance-scale", str(config.guidance_scale), "--lr", str(config.lr), "--critic-lr", str(config.critic_lr),
+        "--seed", str(config.seed), "--rollout-seed", str(config.rollout_seed),
+    ]
+    # fmt: on
+
+
+def bare_rank_main(args: argparse.Namespace) -> int:
+    """One rank of the bare ``fully_shard`` loop (``--bare-rank R/W``): a gloo process group on this machine, the
+    rollouts of :class:`BareDMD2Loop` on this rank's share, rank 0's :class:`RolloutStats` written to ``--json``."""
+    import torch.distributed as dist
+
+    rank, world_size = (int(part) for part in args.bare_rank.split("/"))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.bare_port}", rank=rank, world_size=world_size)
+    try:
+        loop = BareDMD2Loop(args.pipeline, read_prompts(args.prompt_data), config_from(args), rank, world_size)
+        stats = [loop.run_rollout(rollout_id) for rollout_id in range(args.rollouts)]
+    finally:
+        dist.destroy_process_group()
+    args.json.write_text(json.dumps([asdict(each) for each in stats]) + "\n")
+    return 0
+
+
+def run_bare_sharded(
+    args: argparse.Namespace, config: BareConfig, pipeline: Path, prompt_data: Path, world_size: int, work_dir: Path,
+    log,
+) -> list[list[RolloutStats]]:  # fmt: skip
+    """The bare loop as ``world_size`` processes of ``fully_shard`` over gloo (the rollout's samples split evenly,
+    micro-batch ``config.micro_batch_size / world_size``), each as many torch threads as a miles rank gets on this
+    machine; every rank's per-rollout stats, rank 0's first (its seconds are the loop's).
+
+    Raises:
+        RuntimeError: when a rank fails or exceeds ``--run-timeout``; the message holds its last log lines.
+    """
+    run_dir = work_dir / f"bare_fsdp_{world_size}rank"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    local = replace(config, micro_batch_size=miles_micro_batch(config, world_size))
+    port = _free_port()
+    outs = [run_dir / f"rank{rank}.json" for rank in range(world_size)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    logs = [run_dir / f"rank{rank}.log" for rank in range(world_size)]
+    for rank, path in enumerate(logs):
+        command = bare_rank_command(args, local, pipeline, prompt_data, rank, world_size, port, outs[rank])
+        with open(path, "w") as log_file:
+            ChildProcess.procs.append(
+                subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+            )
+    codes = ChildProcess.wait_all(args.run_timeout)
+    for rank, code in enumerate(codes):
+        if code != 0:
+            what = "exceeded the timeout" if code is None else f"failed with exit code {code}"
+            raise RuntimeError(f"bare fully_shard rank {rank} {what}; last lines of {logs[rank]}:\n{tail(logs[rank])}")
+    log(f"bare fully_shard loop, {_ranks(world_size)}: done")
+    return [[RolloutStats(**each) for each in json.loads(out.read_text())] for out in outs]
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------------
@@ -527,22 +656,38 @@ def check_miles_sizes(config: BareConfig, ranks: int) -> None:
 
 
 class ChildProcess:
-    """The one subprocess running now, so that Ctrl-C can end it by its PID."""
+    """The subprocesses running now (a miles run, two side by side, or the bare loop's ranks), so that Ctrl-C can end
+    them by their PIDs."""
 
-    proc: subprocess.Popen | None = None
+    procs: list[subprocess.Popen] = []
+
+    @classmethod
+    def wait_all(cls, timeout: float) -> list[int | None]:
+        """Each running subprocess's exit code, in start order; past ``timeout`` seconds (in all) the ones still
+        running are stopped and read None. The list is then empty."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in cls.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        cls.stop()
+        return codes
 
     @classmethod
     def stop(cls, grace_seconds: float = 60.0) -> None:
-        """SIGTERM (train_diffusion.py then shuts Ray down), SIGKILL after ``grace_seconds``."""
-        proc, cls.proc = cls.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_seconds)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        """SIGTERM each (train_diffusion.py then shuts Ray down), SIGKILL after ``grace_seconds``."""
+        procs, cls.procs = cls.procs, []
+        running = [proc for proc in procs if proc.poll() is None]
+        for proc in running:
+            os.kill(proc.pid, signal.SIGTERM)
+        for proc in running:
+            try:
+                proc.wait(timeout=grace_seconds)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -551,38 +696,55 @@ def tail(path: Path, lines: int = 40) -> str:
         return "".join(deque(f, maxlen=lines))
 
 
-def run_miles(run: MilesRun, timeout: float, log) -> None:
+def run_miles(run: MilesRun, timeout: float, log, threads: int | None = None) -> None:
     """Run ``run.command`` with its output in ``run.log_path``; fill ``run.perf`` from its ``metrics.jsonl``.
 
     Raises:
         RuntimeError: when the run fails or exceeds ``timeout`` seconds; the message holds its last log lines.
     """
-    from miles.utils.tracking import read_metrics
+    run_miles_together([run], timeout, log, threads)
 
-    run.output_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+
+def run_miles_together(runs: list[MilesRun], timeout: float, log, threads: int | None = None) -> None:
+    """Start every run of ``runs`` at once (each its own local Ray cluster, as two users' runs on one machine) and
+    wait for all; fill each ``run.perf`` from its ``metrics.jsonl``. ``threads`` caps each rank's torch threads
+    (``OMP_NUM_THREADS``, which the driver reads: ``miles.ray.placement_group.rank_threads``), so that ``--threads``
+    holds for the bare loop and miles alike.
+
+    Raises:
+        RuntimeError: when a run fails or exceeds ``timeout`` seconds; the message holds its last log lines.
+    """
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     start = time.perf_counter()
-    with open(run.log_path, "w") as log_file:
-        log_file.write(f"$ {shlex.join(run.command)}\n")
-        log_file.flush()
-        # Its own session: a terminal's Ctrl-C reaches only this script, which ends the run once, by PID.
-        ChildProcess.proc = subprocess.Popen(
-            run.command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            returncode = ChildProcess.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            ChildProcess.stop()
+    for run in runs:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(run.log_path, "w") as log_file:
+            log_file.write(f"$ {shlex.join(run.command)}\n")
+            log_file.flush()
+            # Its own session: a terminal's Ctrl-C reaches only this script, which ends the run once, by PID.
+            ChildProcess.procs.append(
+                subprocess.Popen(
+                    run.command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    codes = ChildProcess.wait_all(timeout)
+    for run, returncode in zip(runs, codes):
+        run.wall_seconds = time.perf_counter() - start
+        if returncode is None:
             raise RuntimeError(
                 f"{run.ranks}-rank run exceeded {timeout:.0f} s; log {run.log_path}:\n{tail(run.log_path)}"
-            ) from exc
-        ChildProcess.proc = None
-    run.wall_seconds = time.perf_counter() - start
-    if returncode != 0:
-        raise RuntimeError(
-            f"{run.ranks}-rank run failed with exit code {returncode}; last lines of {run.log_path}:\n"
-            f"{tail(run.log_path)}"
-        )
+            )
+        if returncode != 0:
+            raise RuntimeError(
+                f"{run.ranks}-rank run failed with exit code {returncode}; last lines of {run.log_path}:\n"
+                f"{tail(run.log_path)}"
+            )
+        _read_run(run, log)
+
+
+def _read_run(run: MilesRun, log) -> None:
+    from miles.utils.tracking import read_metrics
+
     for record in read_metrics(run.output_dir):
         values = {key: value for key, value in record.items() if key.startswith("perf/") and _is_number(value)}
         if values:
@@ -742,10 +904,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--size",
-        choices=sorted(SIZES),
+        choices=[*sorted(SIZES), "both"],
         default=None,
-        help="The fresh pipeline's size and its bars: tiny (0.63M parameters; the default) or compute (14.2M).",
+        help="The fresh pipeline's size and its bars: tiny (0.63M parameters), compute (14.2M), or both (the "
+        "default: tiny with every comparison, then compute against the bare loop at 1 rank).",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"A short look: {QUICK['tiny'][0]} rollouts (medians after {QUICK['tiny'][1]}) at the tiny size, "
+        f"{QUICK['compute'][0]} (after {QUICK['compute'][1]}) at the compute size.",
+    )
+    parser.add_argument(
+        "--skip-bare-fsdp", action="store_true", help="Do not run the bare fully_shard loop at 2 processes."
+    )
+    parser.add_argument(
+        "--skip-side-by-side", action="store_true", help="Do not run two miles runs of the largest --ranks at once."
+    )
+    # Internal: one rank of the bare fully_shard loop, started by this script.
+    parser.add_argument("--bare-rank", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bare-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pipeline", type=Path, default=None, help="Digits pipeline dir (default: a fresh init).")
     parser.add_argument("--prompt-data", type=Path, default=None, help="Prompts JSONL (default: digits prompts).")
     parser.add_argument(
@@ -754,8 +932,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Inputs, run dirs and logs (default: a new temp dir, kept for its logs; the run names it at the end).",
     )
-    parser.add_argument("--rollouts", type=int, default=26, help="Rollouts per loop / run.")
-    parser.add_argument("--warmup", type=int, default=5, help="Rollouts left out of the medians.")
+    parser.add_argument("--rollouts", type=int, default=None, help="Rollouts per loop / run (default 26; 10 at the "
+                        "compute size).")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=None, help="Rollouts left out of the medians (default 5; 2 "
+                        "at the compute size).")  # fmt: skip
     parser.add_argument("--ranks", type=parse_ranks, default=[1, 2], help="DP sizes of the miles runs, e.g. 1,2.")
     parser.add_argument("--skip-bare", action="store_true", help="Do not run the bare loop.")
     parser.add_argument("--skip-miles", action="store_true", help="Do not run train_diffusion.py.")
@@ -763,7 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=TRAINER_THREADS,
-        help=f"torch threads of the bare loop; default {TRAINER_THREADS}, what a 1-rank trainer process runs.",
+        help=f"torch threads of the bare loop, and at most those of each miles rank (OMP_NUM_THREADS); default "
+        f"{TRAINER_THREADS}, what a 1-rank trainer process runs. --threads 1 on a machine shared with other work.",
     )
     defaults = BareConfig()
     parser.add_argument("--rollout-batch-size", type=int, default=defaults.rollout_batch_size)
@@ -800,14 +981,22 @@ def config_from(args: argparse.Namespace) -> BareConfig:
     )
 
 
+DEFAULT_ROLLOUTS = {"tiny": (26, 5), "compute": (10, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rollouts < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--rollouts and --threads must be >= 1 and --warmup >= 0")
+    if args.bare_rank is not None:
+        args.rollouts = args.rollouts or 1
+        return bare_rank_main(args)
+    if (args.rollouts is not None and args.rollouts < 1) or (args.warmup is not None and args.warmup < 0):
+        parser.error("--rollouts must be >= 1 and --warmup >= 0")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.pipeline is not None and args.size is not None:
         parser.error("--size makes a fresh pipeline; --pipeline brings one: give one of them")
-    args.size = args.size or "tiny"
+    sizes = ["tiny", "compute"] if args.size in (None, "both") and args.pipeline is None else [args.size or "tiny"]
     config = config_from(args)
     try:
         config.validate()
@@ -815,7 +1004,6 @@ def main(argv: list[str] | None = None) -> int:
             check_miles_sizes(config, ranks)
     except ValueError as exc:
         parser.error(str(exc))
-    first, last = min(args.warmup, args.rollouts - 1), args.rollouts - 1
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="miles_overhead_"))
     work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -828,87 +1016,179 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.default_int_handler)
 
     command = shlex.join(["python", "benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)])
+    reports, status = {}, 0
     try:
-        return _measure(args, config, work_dir, first, last, log, command)
+        for size in sizes:
+            size_args = argparse.Namespace(**vars(args))
+            size_args.size = size
+            rollouts, warmup = QUICK[size] if args.quick else DEFAULT_ROLLOUTS[size]
+            size_args.rollouts = args.rollouts or rollouts
+            size_args.warmup = min(warmup if args.warmup is None else args.warmup, size_args.rollouts - 1)
+            if size != "tiny" and len(sizes) > 1:
+                # The compute size answers one question: miles at 1 rank against the bare loop.
+                size_args.ranks = [1]
+                size_args.skip_bare_fsdp = size_args.skip_side_by_side = True
+            first, last = size_args.warmup, size_args.rollouts - 1
+            report = {}
+            status = max(status, _measure(size_args, config, work_dir, first, last, log, command, report))
+            reports[size] = report
     except KeyboardInterrupt:
-        log("interrupted: ending the running miles run")
+        log("interrupted: ending the running subprocesses")
         ChildProcess.stop()
         return 130
+    table, figures = summary_table(reports)
+    print("\n" + table, flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"ratios": figures, "sizes": reports}, indent=2, default=str) + "\n")
+        log(f"wrote {args.json}")
+    return status
+
+
+def summary_table(reports: dict[str, dict]) -> tuple[str, dict]:
+    """The issue's four ratios from the sizes' reports, each against its bar ("not measured" when a run was
+    skipped or failed), and their JSON records."""
+
+    def ratio(size: str, name: str) -> dict:
+        return reports.get(size, {}).get("ratios", {}).get(name, {"value": None})
+
+    wanted = [
+        ("digits size: miles 1 rank / bare loop", ratio("tiny", "miles_1rank_over_bare"), SIZES["tiny"]["bars"][0]),
+        (
+            "compute size: miles 1 rank / bare loop",
+            ratio("compute", "miles_1rank_over_bare"),
+            SIZES["compute"]["bars"][0],
+        ),
+        ("miles 2 ranks / bare fully_shard 2 ranks", ratio("tiny", "miles_2rank_over_bare_fsdp"), 1.15),
+        ("two runs side by side / alone (worst phase)", ratio("tiny", "side_by_side_over_alone"), SIDE_BY_SIDE_BAR),
+    ]
+    rows, figures = [], {}
+    for name, record, bar in wanted:
+        value = record.get("value")
+        verdict = "not measured" if value is None else ("met" if value <= bar else "missed")
+        rows.append([name, "–" if value is None else f"{value:.2f}×", f"≤ {bar}×", verdict])
+        figures[name] = {"value": value, "bar": bar, "met": None if value is None else value <= bar}
+    return format_table(["issue 32 ratio", "value", "bar", "verdict"], rows, "<>><"), figures
 
 
 def _measure(
-    args, config: BareConfig, work_dir: Path, first: int, last: int, log: Callable[[str], None], command: str
+    args,
+    config: BareConfig,
+    work_dir: Path,
+    first: int,
+    last: int,
+    log: Callable[[str], None],
+    command: str,
+    report: dict,
 ) -> int:
-    """Run what ``args`` asks for, print the tables, write ``--json``; 1 when a miles run failed."""
+    """Run what ``args`` asks for at ``args.size``, print its tables, fill ``report``; 1 when a run failed."""
+    work_dir = work_dir / args.size
+    work_dir.mkdir(parents=True, exist_ok=True)
     pipeline, prompt_data = make_inputs(work_dir, args.pipeline, args.prompt_data, args.size)
-    bar_one_rank, bar_two_ranks = SIZES[args.size]["bars"]
-    report = {
-        "command": command,
-        "size": args.size,
-        "config": asdict(config),
-        "rollouts": args.rollouts,
-        "median_over_rollouts": [first, last],
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
-        "pipeline": str(pipeline),
-        "prompt_data": str(prompt_data),
-        "work_dir": str(work_dir),
-    }
+    bar_one_rank, _ = SIZES[args.size]["bars"]
+    report.update(
+        {
+            "command": command,
+            "size": args.size,
+            "config": asdict(config),
+            "rollouts": args.rollouts,
+            "median_over_rollouts": [first, last],
+            "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+            "pipeline": str(pipeline),
+            "prompt_data": str(prompt_data),
+            "work_dir": str(work_dir),
+        }
+    )
     out = [
         f"$ {report['command']}",
-        f"pipeline {pipeline}, prompts {prompt_data}; {os.cpu_count()} CPUs, torch {torch.__version__}",
+        f"size {args.size}: pipeline {pipeline}, prompts {prompt_data}; {os.cpu_count()} CPUs, torch {torch.__version__}",
         f"{config.rollout_batch_size} prompts per rollout, K = {config.critic_steps}, {config.num_steps} student "
         f"steps, teacher CFG {config.guidance_scale:g}, micro-batch {config.micro_batch_size}; "
         f"medians over rollouts {first}–{last} of {args.rollouts}",
     ]
-    bare_median, miles_medians, failed = None, {}, None
+    bare_median, bare_fsdp_median, miles_medians, failed = None, None, {}, None
+    miles_runs: dict[int, MilesRun] = {}
 
     if not args.skip_bare:
         torch.set_num_threads(args.threads)
-        log(f"bare loop: {args.rollouts} rollouts, torch threads: {torch.get_num_threads()}")
+        log(f"bare loop ({args.size}): {args.rollouts} rollouts, torch threads: {torch.get_num_threads()}")
         stats = run_bare(pipeline, read_prompts(prompt_data), config, args.rollouts, log)
         table, medians = bare_table(stats, first, last)
         bare_median = medians["total"]
-        report["bare"] = {
-            "threads": args.threads,
-            "median": medians,
-            "per_rollout": [asdict(s) for s in stats],
-        }
+        report["bare"] = {"threads": args.threads, "median": medians, "per_rollout": [asdict(s) for s in stats]}
         out += ["", f"bare loop (one process, torch threads: {args.threads}):", table]
 
-    if not args.skip_miles:
+    if not args.skip_bare_fsdp and 2 in args.ranks:
+        log(f"bare fully_shard loop ({args.size}), 2 processes over gloo: {args.rollouts} rollouts")
+        try:
+            stats = run_bare_sharded(args, config, pipeline, prompt_data, 2, work_dir, log)[0]
+        except RuntimeError as exc:
+            failed = str(exc)
+        else:
+            table, medians = bare_table(stats, first, last)
+            bare_fsdp_median = medians["total"]
+            report["bare_fsdp"] = {"ranks": 2, "median": medians, "per_rollout": [asdict(s) for s in stats]}
+            out += ["", "bare fully_shard loop (2 processes over gloo, rank 0):", table]
+
+    def miles_run(ranks: int, name: str) -> MilesRun:
+        run_dir = work_dir / name
+        return MilesRun(
+            ranks=ranks,
+            micro_batch_size=miles_micro_batch(config, ranks),
+            command=miles_command(args, config, pipeline, prompt_data, ranks, run_dir / "output"),
+            output_dir=run_dir / "output",
+            log_path=run_dir / "train.log",
+        )
+
+    def record(run: MilesRun, medians: dict) -> dict:
+        return {
+            "ranks": run.ranks,
+            "micro_batch_size": run.micro_batch_size,
+            "command": shlex.join(run.command),
+            "log": str(run.log_path),
+            "wall_seconds": run.wall_seconds,
+            "median": medians,
+            "per_rollout": {str(r): v for r, v in sorted(run.perf.items())},
+            "memory_bytes": run.memory,
+        }
+
+    if not args.skip_miles and failed is None:
         report["miles"] = {}
         for ranks in args.ranks:
-            run_dir = work_dir / f"miles_{ranks}rank"
-            run = MilesRun(
-                ranks=ranks,
-                micro_batch_size=miles_micro_batch(config, ranks),
-                command=miles_command(args, config, pipeline, prompt_data, ranks, run_dir / "output"),
-                output_dir=run_dir / "output",
-                log_path=run_dir / "train.log",
-            )
-            log(f"miles, {_ranks(ranks)}: {args.rollouts} rollouts, log {run.log_path}")
+            run = miles_run(ranks, f"miles_{ranks}rank")
+            log(f"miles ({args.size}), {_ranks(ranks)}: {args.rollouts} rollouts, log {run.log_path}")
             try:
-                run_miles(run, args.run_timeout, log)
+                run_miles(run, args.run_timeout, log, args.threads)
             except RuntimeError as exc:
                 failed = str(exc)
                 break
             table, medians = miles_table(run, first, last)
-            miles_medians[ranks] = medians.get("perf/step_time")
-            report["miles"][str(ranks)] = {
-                "ranks": ranks,
-                "micro_batch_size": run.micro_batch_size,
-                "command": shlex.join(run.command),
-                "log": str(run.log_path),
-                "wall_seconds": run.wall_seconds,
-                "median": medians,
-                "per_rollout": {str(r): v for r, v in sorted(run.perf.items())},
-                "memory_bytes": run.memory,
-            }
+            miles_medians[ranks], miles_runs[ranks] = medians.get("perf/step_time"), run
+            report["miles"][str(ranks)] = record(run, medians)
             out += ["", f"log: {run.log_path}", table]
             if run.memory:
                 out += ["", memory_table(run)]
 
+    side_ratio = None
+    if not args.skip_side_by_side and miles_runs and failed is None:
+        ranks = max(miles_runs)
+        pair = [miles_run(ranks, f"side_by_side_{ranks}rank_{which}") for which in ("a", "b")]
+        log(f"miles ({args.size}), two {_ranks(ranks)} runs side by side, each its own Ray cluster")
+        try:
+            run_miles_together(pair, args.run_timeout, log, args.threads)
+        except RuntimeError as exc:
+            failed = str(exc)
+        else:
+            table, side_ratio, per_phase = side_by_side_table(miles_runs[ranks], pair, first, last)
+            report["side_by_side"] = {
+                "ranks": ranks,
+                "runs": [record(run, miles_table(run, first, last)[1]) for run in pair],
+                "ratio_per_phase": per_phase,
+            }
+            out += ["", table]
+
     rows = [["bare loop", _fmt(bare_median)]] if bare_median is not None else []
+    rows += [["bare fully_shard loop, 2 processes", _fmt(bare_fsdp_median)]] if bare_fsdp_median is not None else []
     rows += [[f"miles, {_ranks(ranks)}", _fmt(median)] for ranks, median in miles_medians.items()]
     if rows:
         out += ["", format_table(["summary", "median s / rollout"], rows, "<>")]
@@ -918,27 +1198,52 @@ def _measure(
             "miles 1 rank / bare", miles_medians[1], bare_median, bar_one_rank
         )
         ratio_rows.append(row)
+    if 2 in miles_medians and bare_fsdp_median is not None:
+        row, ratios["miles_2rank_over_bare_fsdp"] = ratio_row(
+            "miles 2 ranks / bare fully_shard 2 ranks", miles_medians[2], bare_fsdp_median, 1.15
+        )
+        ratio_rows.append(row)
     if 1 in miles_medians and 2 in miles_medians:
-        row, ratios["miles_2rank_over_1rank"] = ratio_row(
-            "miles 2 ranks / 1 rank", miles_medians[2], miles_medians[1], bar_two_ranks
+        # Not a bar any more (issue 32): on 2 cores two ranks have no more compute than one; shown for reference.
+        value = miles_medians[2] / miles_medians[1] if miles_medians[1] else None
+        ratios["miles_2rank_over_1rank"] = {"value": value, "bar": None, "met": None}
+        ratio_rows.append(["miles 2 ranks / 1 rank", _fmt(value, 2) + "×", "–", "for reference"])
+    if side_ratio is not None:
+        row, ratios["side_by_side_over_alone"] = ratio_row(
+            "side by side / alone (worst phase of either run)", side_ratio, 1.0, SIDE_BY_SIDE_BAR
         )
         ratio_rows.append(row)
     if ratio_rows:
         out += ["", format_table(["ratio", "value", "bar", "verdict"], ratio_rows, "<>><")]
     report["ratios"] = ratios
     print("\n".join(out), flush=True)
-
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
     if args.work_dir is None:
         size_mb = sum(path.stat().st_size for path in work_dir.rglob("*") if path.is_file()) / 2**20
         log(f"inputs, run dirs and logs kept in {work_dir} ({size_mb:.0f} MB); remove it when done")
     if failed is not None:
+        report["failed"] = failed
         print(f"\n{failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def side_by_side_table(alone: MilesRun, pair: list[MilesRun], first: int, last: int) -> tuple[str, float, dict]:
+    """Each phase's median in two runs side by side against the same phase alone: the table, the worst ratio (over
+    the phases of at least :data:`SIDE_BY_SIDE_MIN_S` alone and the step, of either run) and the ratios per phase."""
+    _, alone_medians = miles_table(alone, first, last)
+    pair_medians = [miles_table(run, first, last)[1] for run in pair]
+    rows, per_phase, worst = [], {}, 0.0
+    for label, key in phase_rows(with_gaps(alone.perf)):
+        base = alone_medians.get(key)
+        if key in DERIVED or base is None or (base < SIDE_BY_SIDE_MIN_S and key != "perf/step_time"):
+            continue
+        values = [medians.get(key) for medians in pair_medians]
+        ratios = [None if value is None else value / base for value in values]
+        per_phase[key] = ratios
+        worst = max([worst, *(r for r in ratios if r is not None)])
+        rows.append([label, _fmt(base), *(_fmt(v) for v in values), *(_fmt(r, 2) + "×" for r in ratios)])
+    headers = [f"side by side, {_ranks(alone.ranks)} each", "alone s", "run a s", "run b s", "a / alone", "b / alone"]
+    return format_table(headers, rows, "<>>>>>"), worst, per_phase
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--num-cpus-per-rank",
         type=int,
         default=None,
-        help="CPUs (and torch threads) of each rank's bundle; default: a node's CPUs / its ranks.",
+        help="CPUs (and torch threads, at most $OMP_NUM_THREADS when set) of each rank's bundle; default: a node's "
+        "CPUs / its ranks.",
     )
     group.add_argument(
         "--distributed-timeout-minutes",

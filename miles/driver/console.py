@@ -30,20 +30,31 @@ def _fmt(value: Any) -> str:
 
 
 def log_groups_ready(groups: dict, engines: Any, seconds: float) -> None:
-    """One line per trainer group (ranks, device, parameters) and for the engine replicas, once all started."""
+    """One line per trainer group (ranks, device, torch threads per rank, parameters) and for the engine replicas,
+    once all started. The threads are the CPUs of a rank's bundle (``--num-cpus-per-rank``, default a node's CPUs
+    over its ranks): ranks × threads above the machine's cores makes the ranks' thread pools compete
+    (docs/performance.md, "Threads per rank")."""
     for role, group in groups.items():
         info = group.describe()
         logger.info(
-            "%s group: %d ranks on %s, %.2fM trainable + %.2fM frozen parameters%s",
+            "%s group: %d ranks on %s, %d torch thread%s per rank, %.2fM trainable + %.2fM frozen parameters%s",
             role,
             group.world_size,
             info["device"],
+            info["threads"],
+            "" if info["threads"] == 1 else "s",
             info["trainable_parameters"] / 1e6,
             info["frozen_parameters"] / 1e6,
             ", FSDP-sharded" if info["sharded"] else "",
         )
     if engines is not None:
-        logger.info("rollout: %d dedicated engine replicas", len(engines.engines))
+        threads = engines.num_threads
+        logger.info(
+            "rollout: %d dedicated engine replicas, %s torch thread%s each",
+            len(engines.engines),
+            threads or "default",
+            "" if threads == 1 else "s",
+        )
     logger.info("ready in %.0fs", seconds)
 
 

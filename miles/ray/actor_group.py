@@ -86,7 +86,8 @@ class RayTrainGroup:
         pg: ``(placement_group, bundle_indices)``, one bundle index per rank.
         num_gpus_per_actor, num_cpus_per_actor: the fraction of its bundle each rank reserves
             (``placement_group.trainer_resources``).
-        num_threads: torch CPU threads per rank (the bundle's CPUs).
+        num_threads: torch CPU threads per rank (``placement_group.rank_threads``: the bundle's CPUs, at most
+            ``OMP_NUM_THREADS``).
 
     Raises:
         ValueError: if the placement group has fewer bundles than ranks.

@@ -43,6 +43,7 @@ class EngineGroup:
         num_threads: int | None = None,
     ) -> None:
         placement_group, bundle_indices = pg
+        self.num_threads = num_threads
         remote_cls = ray.remote(RolloutEngineWorker)
         self.engines = [
             remote_cls.options(

@@ -11,6 +11,7 @@ The fractions of a bundle each process reserves are the constants below and nowh
 """
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -24,6 +25,7 @@ __all__ = [
     "PLACEMENT_TIMEOUT_S",
     "PlacementTimeoutError",
     "bundle_cpus",
+    "rank_threads",
     "create_engine_group",
     "create_placement_groups",
     "create_rollout_manager",
@@ -64,6 +66,24 @@ def bundle_cpus(args) -> int:
     node_cpus = [cpus for cpus in node_cpus if cpus > 0] or [1]
     per_node = args.actor_num_gpus_per_node + (args.rollout_num_gpus if args.actor_num_nodes == 1 else 0)
     return max(1, int(min(node_cpus) // max(1, per_node)))
+
+
+def rank_threads(args, environ=None) -> int:
+    """torch intra-op threads per trainer rank and engine replica: the CPUs of its bundle (:func:`bundle_cpus`), at
+    most ``OMP_NUM_THREADS`` when the driver's environment sets it (a positive integer; anything else is ignored).
+
+    The bundle's CPUs are what Ray reserved, not what is free: a Ray cluster may declare more CPUs than the machine
+    has, and a second run on the same cores does not show in it. More threads than free cores make OpenMP's
+    parallel regions wait on descheduled threads: a tiny DMD2 run of 2 ranks at 2 threads each took 32× as long per
+    rollout as at 1 thread on the loaded 2-core machine (docs/performance.md, "Threads per rank").
+    ``OMP_NUM_THREADS``, which torch itself reads, is how a user or a test session shares the cores. Needs
+    ``ray.init`` first (unless ``--num-cpus-per-rank`` is given).
+    """
+    cpus = bundle_cpus(args)
+    cap = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
+    if cap.strip().isdigit() and int(cap) >= 1:
+        return min(cpus, int(cap))
+    return cpus
 
 
 def trainer_resources(num_groups: int, use_gpu: bool, cpus: int) -> tuple[float, float]:
@@ -153,7 +173,7 @@ def create_training_models(
             pgs["actor"],
             num_gpus_per_actor=gpus,
             num_cpus_per_actor=cpus_per_rank,
-            num_threads=cpus,
+            num_threads=rank_threads(args),
         )
         for group in run.groups
     }
@@ -187,7 +207,7 @@ def create_engine_group(args, run: RunSpec, pgs: dict[str, tuple[PlacementGroup,
 
     cpus = bundle_cpus(args)
     return EngineGroup(
-        run, pgs["rollout"], num_gpus=1.0 if use_gpu_bundles() else 0.0, num_cpus=cpus, num_threads=cpus
+        run, pgs["rollout"], num_gpus=1.0 if use_gpu_bundles() else 0.0, num_cpus=cpus, num_threads=rank_threads(args)
     )
 
 

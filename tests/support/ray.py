@@ -14,7 +14,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # How often the session cluster may try to start (see ray_session).
 START_ATTEMPTS = 3
-# What every Ray worker of the tests sees: offline Hugging Face, one intra-op thread, no auth on the local cluster.
+# What every Ray worker of the tests sees: offline Hugging Face, one intra-op thread, no auth on the local cluster. A
+# driver run by the tests reads OMP_NUM_THREADS too and caps each rank's threads at it (placement_group.rank_threads):
+# the session's cluster declares 4 CPUs on a 2-core machine, whose 2 threads per rank would oversubscribe the cores.
 WORKER_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 

@@ -121,8 +121,9 @@ class FSDPTrainRayActor:
             role: the group's role (``"actor"``, ``"critic"``); names its metrics and checkpoint metadata.
             master_addr, master_port: rank 0's address (``get_master_addr_and_port``).
             rank, world_size: this rank and the group's data-parallel size.
-            num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle (the groups of a
-                bundle train one at a time, so each may use all of them).
+            num_threads: CPU threads for torch's intra-op pool: the CPUs of this rank's bundle, at most
+                ``OMP_NUM_THREADS`` (``miles.ray.placement_group.rank_threads``; the groups of a bundle train one at
+                a time, so each may use all of them).
             load_rollout_id: the committed rollout to resume from its load directory (the driver resolves it), or
                 None.
 
@@ -178,10 +179,12 @@ class FSDPTrainRayActor:
         return start_rollout_id
 
     def describe(self) -> dict[str, Any]:
-        """Rank 0's start-up summary for the driver's one line per group: device, parameters, memory held."""
+        """Rank 0's start-up summary for the driver's one line per group: device, torch's intra-op threads (the
+        bundle's CPUs, set by ``init``), parameters, memory held."""
         models = self.trainer.models
         return {
             "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "trainable_parameters": sum(p.numel() for p in models.trainable_parameters()),
             "frozen_parameters": sum(p.numel() for p in models.frozen_parameters()),
             "sharded": self.world_size > 1 and bool(models.modules()),  # a frozen group holds no module

@@ -254,3 +254,31 @@ def test_breakdown_shows_absent_keys_as_dashes_and_derives_the_gaps():
 
 def test_the_digits_data_module_is_found():
     assert importlib.util.find_spec(overhead.DATA_MODULE) is not None
+
+
+def test_the_fully_shard_loop_splits_each_rollout_over_two_gloo_processes(pipeline, tmp_path):
+    """The bare 2-process ``fully_shard`` loop the benchmark holds miles' 2 ranks against: each rank takes its half of
+    a rollout's samples under their rollout-wide ids (its stop steps are the 1-process loop's for those samples),
+    trains K windows of its share, and both ranks take the same optimizer steps (FSDP2 over gloo), so every figure
+    is finite and rank 0 times every phase."""
+    n, k, mb, rollouts = 8, 2, 4, 2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{prompt}"}}\n' for prompt in PROMPTS))
+    args = overhead.build_parser().parse_args(
+        ["--rollouts", str(rollouts), "--rollout-batch-size", str(n), "--micro-batch-size", str(mb),
+         "--dmd2-critic-steps-per-rollout", str(k), "--diffusion-num-steps", str(STEPS)]
+    )  # fmt: skip
+    config = overhead.config_from(args)
+    ranks = overhead.run_bare_sharded(args, config, pipeline, prompts, 2, tmp_path, log=lambda message: None)
+    one_process = overhead.BareDMD2Loop(pipeline, PROMPTS, config)
+    for rank, stats in enumerate(ranks):
+        assert [s.rollout_id for s in stats] == list(range(rollouts))
+        for s in stats:
+            assert set(s.seconds) == {*overhead.BARE_PHASES, "total"} and all(v > 0 for v in s.seconds.values())
+            assert len(s.critic_losses) == k
+            assert all(math.isfinite(v) and v > 0 for v in [*s.critic_losses, s.actor_loss])
+            # This rank's samples are n/2 · rank .. n/2 · (rank + 1) of the rollout.
+            share = one_process.stop_steps(s.rollout_id)[rank * n // 2 : (rank + 1) * n // 2]
+            assert s.max_stop_step == int(share.max())
+    # The ranks' shares of a rollout are different samples, with different losses.
+    assert ranks[0][0].critic_losses != ranks[1][0].critic_losses

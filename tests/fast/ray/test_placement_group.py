@@ -8,6 +8,7 @@ everything fits one bundle per rank. The others place and start real groups on t
 """
 
 import dataclasses
+import os
 
 import pytest
 import ray
@@ -69,6 +70,15 @@ def test_resource_fractions_fill_a_bundle_exactly():
 def _node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
     resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     return {"Alive": alive, "Resources": resources}
+
+
+def test_threads_per_rank_are_the_bundles_cpus_at_most_omp_num_threads(tmp_path):
+    args = make_args(tmp_path / "pipeline", tmp_path, num_cpus_per_rank=4)
+    assert placement.rank_threads(args, {}) == 4
+    assert placement.rank_threads(args, {"OMP_NUM_THREADS": "2"}) == 2
+    assert placement.rank_threads(args, {"OMP_NUM_THREADS": "8"}) == 4  # a cap, never more than the bundle
+    for ignored in ("", "0", "-1", "two", "1.5"):
+        assert placement.rank_threads(args, {"OMP_NUM_THREADS": ignored}) == 4, ignored
 
 
 def test_bundle_cpus_count_only_the_gpu_nodes_of_a_cluster_with_gpus(monkeypatch):
@@ -260,6 +270,10 @@ def test_create_training_models_builds_dmd2_critic_first(ray_cluster, pipeline, 
         critic_rank0, actor_rank0 = (ray.get(group.actors[0].describe.remote()) for group in groups.values())
         assert critic_rank0["frozen_parameters"] == critic_rank0["trainable_parameters"] > 0
         assert actor_rank0["frozen_parameters"] == 0 and actor_rank0["sharded"] is True
+        # Each rank runs as many torch threads as its bundle has CPUs (the session's 4 CPUs over 2 ranks), at most
+        # the test session's OMP_NUM_THREADS=1.
+        assert placement.bundle_cpus(args) == 2 and os.environ["OMP_NUM_THREADS"] == "1"
+        assert critic_rank0["threads"] == actor_rank0["threads"] == placement.rank_threads(args) == 1
     finally:
         for group in groups.values():
             group.shutdown()
