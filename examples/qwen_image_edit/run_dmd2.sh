@@ -15,11 +15,11 @@
 # copies the key into the image's record, and the prompt cache then reads it relative to $DATA/real). The negative
 # prompt " " is encoded once, without an image; the unconditional branch takes each sample's reference latents.
 #
-# Memory (the dry run's planner on the real configs, docs/cluster.md "Wan 2.2 T2V A14B and Qwen-Image-Edit"; the
+# Memory (the dry run's planner on the real configs, docs/cluster.md "Wan 2.2 T2V A14B and Qwen-Image-Edit": the
 # planner's estimates, not GPU measurements): each sample's sequence is the target's 4096 tokens and the
-# reference's 4096 (1024² each, a square reference). Full weights do not fit in the default sharding mode (210 GiB per GPU), so the
-# student and the critic are LoRA adapters (rank 64 / 32) on one frozen 20.4B base each: 60.2 GiB peak per GPU
-# (critic group: the base gathered in bf16 through a phase), which fits 8 x 80 GB and 8 x 141 GB.
+# reference's 4096 (1024² each, a square reference). Full weights do not fit in the default sharding mode (210 GiB
+# per GPU), so the student and the critic are LoRA adapters (rank 64 / 32) on one frozen 20.4B base each: 60.2 GiB
+# peak per GPU (critic group: the base gathered in bf16 through a phase), which fits 8 x 80 GB and 8 x 141 GB.
 # --fsdp-reshard-every-microbatch lowers it to 21.9 GiB (full weights with it: 61.7 GiB). Host memory per node
 # while the groups sleep: 46.1 GiB.
 #
