@@ -13,9 +13,9 @@
 # of clips (.mp4 / .mkv / .webm / .mov, each with a <name>.txt caption; pip install 'miles[video]' for PyAV):
 #   python -m miles.rollout.encode_images $MODEL_DIR /data/clips /data/real   # REAL=/data/real/data.jsonl
 #
-# Memory: the planner has no activation layout for WanTransformer3DModel yet, so the dry run says "not available";
-# by the parameter count alone (1.3B: 16 bytes per trainable parameter over 8 ranks, the bf16 model gathered per
-# phase) full weights fit an 80 GB GPU with room for activations. Wan 2.1 14B would need --lora-rank.
+# Memory (the dry run's planner on the real 1.3B config, docs/cluster.md; an estimate, not a GPU measurement): full
+# weights plan 21.6 GiB per GPU (critic group) at 33 x 480 x 832: they fit 80 GB. For Wan 2.1 14B start from
+# examples/wan22_a14b/run_dmd2.sh (LoRA roles, --fsdp-reshard-every-microbatch).
 #
 # Choices and where they come from (docs/families.md): 4 steps at flow shift 5, teacher CFG 5.0, learning rates
 # 1e-5: NVlabs/FastGen's Wan 2.1 T2V 1.3B DMD2 recipe; the negative prompt is empty (set NEGATIVE_PROMPT to the

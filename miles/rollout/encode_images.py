@@ -17,11 +17,15 @@ family (``wan``) every ``.mp4``, ``.mkv``, ``.webm``, ``.mov``, ``.avi`` and ``.
     OUT_DIR/encode_images.json            pipeline, family, image and latent shapes, count
 
 An image's caption is, in this order: its line in ``--captions`` (JSONL ``{"file_name": "cat.png", "prompt": "a
-cat"}``), its sidecar ``<name>.txt`` beside the image (stripped), or ``--prompt``. Each image is turned upright by
-its EXIF orientation, converted to the pipeline's channels (RGB for SD3), resized with Lanczos so that it covers the
-pipeline's pixel size (``family.image_shape``: for SD3 the transformer's ``sample_size`` times the VAE's downscale
-factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image smaller than that size is rejected rather
-than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
+cat"}``), its sidecar ``<name>.txt`` beside the image (stripped), or ``--prompt``. A captions line's other keys are
+copied into its image's record unchanged: an edit family's reference, ``{"file_name": "after.png", "prompt": "make it
+blue", "condition_image": "/data/before/cat.png"}``, which ``python -m miles.rollout.prompt_cache OUT_DIR/data.jsonl``
+then encodes with the prompt (a relative path is read relative to OUT_DIR, so give absolute ones).
+
+Each image is turned upright by its EXIF orientation, converted to the pipeline's channels (RGB for SD3), resized
+with Lanczos so that it covers the pipeline's pixel size (``family.image_shape``: for SD3 the transformer's
+``sample_size`` times the VAE's downscale factor, 1024 × 1024 for SD3.5-Medium) and centre-cropped to it. An image
+smaller than that size is rejected rather than upscaled. Train with ``--train-only --prompt-data OUT_DIR/data.jsonl``.
 
 **Video.** A video family's pixel size is ``(F, H, W, 3)`` (``family.image_shape``; Wan: ``4k + 1`` frames). Each
 clip is decoded with PyAV (``pip install 'miles[video]'``; FFmpeg's decoders, bundled in its wheels): its first F
@@ -51,6 +55,7 @@ __all__ = [
     "fit_video",
     "list_images",
     "main",
+    "read_caption_extras",
     "read_captions",
 ]
 
@@ -114,6 +119,18 @@ def read_captions(path: str | Path) -> dict[str, str]:
             raise OfflineDataError(f"{path}:{line_no} captions {record['file_name']} a second time")
         captions[record["file_name"]] = record["prompt"]
     return captions
+
+
+def read_caption_extras(path: str | Path) -> dict[str, dict[str, Any]]:
+    """``{file_name: {key: value}}``: the keys of each captions line other than ``file_name`` and ``prompt`` (an edit
+    family's ``condition_image``), for the lines that have any; call after :func:`read_captions` has checked the
+    file."""
+    extras = {}
+    for _, record in jsonl_values(Path(path), error=OfflineDataError):
+        rest = {key: value for key, value in record.items() if key not in ("file_name", "prompt")}
+        if rest:
+            extras[record["file_name"]] = rest
+    return extras
 
 
 def _caption(image: Path, captions: dict[str, str], prompt: str | None) -> str:
@@ -276,7 +293,8 @@ def encode_image_folder(
             CPU, in float32).
         image_dir: the image folder (not searched recursively).
         out_dir: where ``latents/``, ``data.jsonl`` and ``encode_images.json`` go (created; files replaced).
-        captions: JSONL of ``{"file_name", "prompt"}``; see the module docstring for the caption order.
+        captions: JSONL of ``{"file_name", "prompt"}``; see the module docstring for the caption order. Its lines'
+            other keys go into their images' records unchanged.
         prompt: the caption of images without one.
         batch_size: images per ``images_to_latents`` call.
         progress: show a tqdm bar (None: when there is more than one batch and stderr is a terminal).
@@ -305,6 +323,7 @@ def encode_image_folder(
     images = list_images(image_dir, video=video)
     fit = fit_video if video else fit_image
     caption_map = read_captions(captions) if captions is not None else {}
+    extras = read_caption_extras(captions) if captions is not None else {}
     unused = set(caption_map) - {image.name for image in images}
     if unused:
         logger.warning("%d captions name no image of %s, e.g. %s", len(unused), image_dir, sorted(unused)[0])
@@ -328,7 +347,8 @@ def encode_image_folder(
             offline_files.save_tensors(
                 out_dir / name, {"latent": latent}, {"file_name": image.name, "family": family.name}
             )
-            records.append({"prompt": prompts[start + offset], "latent": name, "file_name": image.name})
+            record = {"prompt": prompts[start + offset], "latent": name, "file_name": image.name}
+            records.append({**extras.get(image.name, {}), **record})
     offline_files.write_records(out_dir / "data.jsonl", records)
     logger.info("encoded %d images of %s to %s", len(records), image_dir, out_dir)
     return offline_files.write_manifest(

@@ -167,8 +167,7 @@ def test_the_wan_recipe_passes_its_dry_run_on_user_prepared_video_latents(tmp_pa
     env = _env(MODEL_DIR=str(pipeline), DATA=str(data), OUT=str(out), SAMPLE_SIZE="", REAL=str(real))
     log = _dry_run("wan", env)
     _common_lines(log, pipeline, out)
-    # No activation layout for WanTransformer3DModel yet: one warning, not a failure.
-    assert "memory plan: not available" in log or "memory per GPU" in log
+    assert "memory per GPU, DP rank 0 of 8" in log  # the wan family's activation layout plans it
 
 
 @pytest.mark.parametrize(
@@ -200,3 +199,87 @@ def test_prepare_refuses_a_wrong_sample_size_before_it_writes_or_encodes(tmp_pat
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert (pipeline / "model_index.json").read_bytes() == index  # nothing written into the user's pipeline
     assert not data.exists()  # and the prompt cache never ran
+
+
+def test_the_wan22_a14b_recipe_plans_lora_roles_over_both_experts(tmp_path):
+    from tests.support.tiny_pipelines import write_tiny_wan
+    from tests.support.tiny_pipelines.wan import A14B_BOUNDARY_RATIO
+
+    pipeline = write_tiny_wan(tmp_path / "pipeline", boundary_ratio=A14B_BOUNDARY_RATIO)
+    write_sample_size(pipeline, (5, SIZE, SIZE))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    data, out = tmp_path / "out" / "data", tmp_path / "out"
+    from miles.rollout.prompt_cache import main as prompt_cache
+
+    assert prompt_cache([str(pipeline), str(prompts), str(data / "prompts"), "--batch-size", "2"]) == 0
+    real = _write_video_records(pipeline, tmp_path / "real")
+    env = _env(MODEL_DIR=str(pipeline), DATA=str(data), OUT=str(out), SAMPLE_SIZE="", REAL=str(real))
+    log = _dry_run("wan22_a14b", env)
+    _common_lines(log, pipeline, out)
+    assert "memory per GPU, DP rank 0 of 8" in log and "ZeRO-3 per block" in log  # --fsdp-reshard-every-microbatch
+    assert _planned_lora_roles(log)
+    # The critic group holds its base and the two-expert teacher: three frozen networks of one config, where the
+    # actor holds its base alone.
+    rows = [line.split("memory_plan: ", 1)[1].split() for line in log.splitlines()
+            if re.search(r"memory_plan:\s+(actor|critic)\s", line)]  # fmt: skip
+    frozen = {role: next(row[2] for row in rows if row[0] == role) for role in ("actor", "critic")}  # the plan's rows
+    assert _count(frozen["critic"]) == pytest.approx(3 * _count(frozen["actor"]), rel=0.02), frozen
+    assert "teacher guidance: --dmd2-teacher-guidance-scale 4: set on the command line; true CFG" in log
+
+
+def _count(text: str) -> float:
+    """A parameter count as the memory plan prints it (``42.9B``, ``307M``, ``12.5K``, ``880``)."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9}
+    return float(text[:-1]) * scale[text[-1]] if text[-1] in scale else float(text)
+
+
+def test_the_qwen_image_edit_recipe_passes_its_dry_run_on_records_with_references(tmp_path):
+    from PIL import Image
+
+    from miles.rollout.encode_images import main as encode_images
+    from miles.rollout.prompt_cache import main as prompt_cache
+    from tests.support.tiny_pipelines import write_tiny_qwen_image_edit
+
+    pipeline = write_tiny_qwen_image_edit(tmp_path / "pipeline")
+    write_sample_size(pipeline, (SIZE, SIZE))
+    # The edits: each instruction with the image it edits (a flipped photo), and the edited photos as real data
+    # whose captions name the same reference; what the recipe's `prepare` writes, in-process. Two edits: the VAE
+    # encodes every reference at the stock 1024², the slow part on a CPU.
+    photos, edited, refs = write_photos(tmp_path / "photos"), tmp_path / "edited", tmp_path / "refs"
+    edited.mkdir()
+    refs.mkdir()
+    prompts = PROMPTS[:2]
+    for index in range(len(prompts)):
+        photo = Image.open(photos / f"photo{index}.png")
+        photo.save(edited / f"photo{index}.png")
+        photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(refs / f"{index}.png")
+    edits = [{"prompt": p, "condition_image": f"refs/{i}.png"} for i, p in enumerate(prompts)]
+    (tmp_path / "edits.jsonl").write_text("".join(json.dumps(e) + "\n" for e in edits * 2))
+    captions = tmp_path / "edited.jsonl"
+    captions.write_text("".join(json.dumps({"file_name": f"photo{i}.png", "prompt": p,
+                                            "condition_image": str(refs / f"{i}.png")}) + "\n"
+                                for i, p in enumerate(prompts)))  # fmt: skip
+    data, out = tmp_path / "out" / "data", tmp_path / "out"
+    cache = ["--negative-prompt", " "]
+    assert prompt_cache([str(pipeline), str(tmp_path / "edits.jsonl"), str(data / "prompts"), *cache]) == 0
+    assert encode_images([str(pipeline), str(edited), str(data / "real"), "--captions", str(captions)]) == 0
+    assert prompt_cache([str(pipeline), str(data / "real" / "data.jsonl"), str(data / "real"), *cache]) == 0
+    # each real record's cond is its (instruction, reference) pair's: the prompt cache of the edits holds the same
+    real = [json.loads(line) for line in (data / "real" / "prompts.jsonl").read_text().splitlines()]
+    cached = [json.loads(line) for line in (data / "prompts" / "prompts.jsonl").read_text().splitlines()]
+    assert [r["cond"] for r in real] == [c["cond"] for c in cached[: len(prompts)]]
+
+    env = _env(MODEL_DIR=str(pipeline), DATA=str(data), OUT=str(out), SAMPLE_SIZE="")
+    log = _dry_run("qwen_image_edit", env)
+    _common_lines(log, pipeline, out)
+    assert "memory per GPU, DP rank 0 of 8" in log and "flow shift" in log
+    assert _planned_lora_roles(log)
+    # the sequence holds the target's 2 x 2 tokens and the reference's at the stock 1024² (64 x 64 tokens), and the
+    # prompt cache covers every prompt with its reference: no rank loads the text encoder
+    assert "4100 image + 2048 text tokens per sample" in log
+    assert "text encoder" not in log
+    assert (
+        "teacher guidance: --dmd2-teacher-guidance-scale 4: set on the command line; true CFG u + w·(c − u) over two "
+        "branches, with the stock per-token norm rescale"
+    ) in log

@@ -93,6 +93,24 @@ def test_latents_are_the_vae_latents_of_the_fitted_images(pipeline, folder, tmp_
     torch.testing.assert_close(expected[:1], (mode - 0.1) * 1.5, rtol=0, atol=1e-5)
 
 
+def test_a_captions_lines_other_keys_go_into_its_images_record(pipeline, folder, tmp_path):
+    # An edit family's real data: each target image's record names its reference image for the prompt cache.
+    images, _ = folder
+    captions = tmp_path / "edits.jsonl"
+    lines = [
+        {"file_name": "tall.jpg", "prompt": "make it pink", "condition_image": "/refs/tall.png", "latent": "no"},
+        {"file_name": "exact.webp", "prompt": "petals"},
+    ]
+    captions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    encode_image_folder(pipeline, images, out, captions=captions, prompt="a photo")
+    records = {r["file_name"]: r for r in map(json.loads, (out / "data.jsonl").read_text().splitlines())}
+    # the command's own keys win over a captions key of the same name
+    assert records["tall.jpg"] == {"prompt": "make it pink", "latent": "latents/tall.safetensors",
+                                   "file_name": "tall.jpg", "condition_image": "/refs/tall.png"}  # fmt: skip
+    assert "condition_image" not in records["exact.webp"] and "condition_image" not in records["big.png"]
+
+
 def _error(capsys, *argv) -> str:
     assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
