@@ -163,18 +163,23 @@ class DataCheck:
                 f"{self.family.name}; write it again with this pipeline (python -m miles.rollout.{command})"
             )
 
-    def cond_file(self, where: str, file: Path) -> None:
+    def cond_file(self, where: str, file: Path, negative: bool = False) -> None:
         """A cached cond file (named in messages after ``where``) is a whole safetensors file of the run's family
-        with the tensors of the first one seen; each file is checked once."""
+        with the tensors of the first one seen; each file is checked once. A ``negative`` cond holds a subset of
+        them with the same shapes: the conditioning a family keeps per record (an edit's reference latents,
+        ``image_latents``) is not in the negative prompt's encoding."""
         header = self._header(where, file, "cond")
         if header is None:
             return
         self._family(where, file, header, "prompt_cache")
         shapes = _tensors(header)
         if self.cond_shapes is None:
-            self.cond_shapes = (str(file), shapes)
-        elif shapes != self.cond_shapes[1]:
-            first, expected = self.cond_shapes
+            if not negative:
+                self.cond_shapes = (str(file), shapes)
+            return
+        first, expected = self.cond_shapes
+        fits = all(expected.get(name) == shape for name, shape in shapes.items()) if negative else shapes == expected
+        if not fits:
             reject(
                 f"{where}: cond file {file} holds {shapes}, but {first} holds {expected}; every cached cond of a "
                 "run comes from one prompt cache of its pipeline (python -m miles.rollout.prompt_cache)"
@@ -204,4 +209,4 @@ def check_negative_cond(data: DataCheck, path: str) -> None:
     """
     if not Path(path).is_file():
         reject(f"--negative-cond {path} does not exist; pass a .safetensors cond file (miles.rollout.prompt_cache)")
-    data.cond_file("--negative-cond", Path(path))
+    data.cond_file("--negative-cond", Path(path), negative=True)
