@@ -94,6 +94,22 @@ def test_the_flow_shift_is_the_stock_pipelines_dynamic_shift_at_the_sample_size(
     assert four == pytest.approx(math.exp(compute_empirical_mu(8, 4)), rel=1e-12) and four > shift
 
 
+def test_the_two_family_flow_shifts_say_which_step_count_made_each(klein):
+    # Issue 34 item 7: klein's shift depends on the step count, so the student's grid (4 steps) and the trainer's
+    # 1000-point grid (the stock call's 50) get two values; the dry run's lines said the same words for both.
+    from tests.support.arguments import parsed_with_defaults
+
+    argv = ["--hf-checkpoint", str(klein), "--prompt-data", "/data/p.jsonl", "--num-rollout", "3",
+            "--rollout-batch-size", "4", "--diffusion-num-steps", "4"]  # fmt: skip
+    args = parsed_with_defaults(argv)
+    family = get_model_family(klein)
+    assert args.diffusion_flow_shift == family.flow_shift(klein, num_steps=4) != args.fsdp_flow_shift
+    assert args.fsdp_flow_shift == family.flow_shift(klein)
+    engine, trainer = args.flow_shift_origin["--diffusion-flow-shift"], args.flow_shift_origin["--fsdp-flow-shift"]
+    assert engine.endswith("for the student's 4 steps; the shift depends on the step count)"), engine
+    assert trainer.endswith("for the stock call's default step count, the teacher's; the student's grid takes its own)")
+
+
 def test_preflight_refuses_teacher_cfg_for_a_step_distilled_klein(tmp_path, capsys):
     distilled = _pipeline(tmp_path / "distilled", distilled=True)
     assert get_model_family(distilled).max_guidance_scale(distilled) == 1.0
