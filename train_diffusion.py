@@ -530,13 +530,29 @@ def _handle_signals() -> None:
 
 def _init_ray(ray, address: str) -> None:
     """``ray.init``, with SIGTERM during it ending the run as :class:`Interrupted` too: ray.init installs its own
-    SIGTERM handler (``sys.exit(15)``, no word printed) for its duration."""
+    SIGTERM handler (``sys.exit(15)``, no word printed) for its duration.
+
+    Raises:
+        RunError: Ray's local node did not register within its 30 s (a bare ``Exception`` "The current node timed
+            out during startup" from ``ray._private.node``): one line saying what to try instead of its traceback.
+    """
+    from miles.utils.validation import RunError
+
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     except SystemExit as exc:
         if exc.code == signal.SIGTERM:
             raise Interrupted(signal.SIGTERM) from None
         raise
+    except Exception as exc:
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()  # the processes that did start
+        raise RunError(
+            "Ray's local node did not start within 30 s (its raylet never registered): the machine is overloaded, "
+            "/tmp/ray is full or not writable, or another run's Ray processes are in the way (`ray stop` ends this "
+            "user's); run again, or start Ray yourself (`ray start --head`) and pass --ray-address HOST:PORT"
+        ) from None
     finally:
         _handle_signals()
 

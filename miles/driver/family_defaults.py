@@ -31,7 +31,16 @@ def _family_shift(args: argparse.Namespace, num_steps: int | None) -> tuple[floa
         return DEFAULT_FLOW_SHIFT, f"the default (the pipeline {path} could not be read here: {exc})"
     if shift is None:
         return DEFAULT_FLOW_SHIFT, f"the default (the {family.name} family has no flow shift of its own)"
-    return float(shift), f"the {family.name} family's (its stock pipeline's shift at {path}'s resolution)"
+    where = f"its stock pipeline's shift at {path}'s resolution"
+    # FLUX.2-klein's shift also depends on the step count (compute_empirical_mu): the student's grid and the
+    # trainer's 1000-point grid then get two values, and each line says which step count made it.
+    other = family.flow_shift(path, num_steps=None if num_steps else args.diffusion_num_steps)
+    if other is not None and float(other) != float(shift):
+        if num_steps:
+            where += f" for the student's {num_steps} steps; the shift depends on the step count"
+        else:
+            where += " for the stock call's default step count, the teacher's; the student's grid takes its own"
+    return float(shift), f"the {family.name} family's ({where})"
 
 
 def _shift(args: argparse.Namespace, value: float | None, num_steps: int | None) -> tuple[float, str]:

@@ -2,10 +2,11 @@
 
 :func:`write_inputs` prepares what a user's recipe prepares: the pipeline at a 32 × 32 sample size, a prompt cache
 (``python -m miles.rollout.prompt_cache``: no text encoder is loaded by the training ranks) and real latent records
-from photos (``python -m miles.rollout.encode_images``: the GAN's real data). :func:`train_and_resume` runs DMD2
-phase 2 (GAN head, EMA) for 2 rollouts on 2 CPU ranks with a checkpoint after each and the ``--save-hf`` export, then
-resumes from rollout 0's commit and runs rollout 1 again. :func:`stock_latents` and :func:`miles_latents` sample the
-export with the family's stock diffusers pipeline and with miles' sampler from the same noise.
+from photos (``python -m miles.rollout.encode_images``: the GAN's real data). :func:`train_and_resume` runs the
+family's recipe (``examples/<recipe>/run_dmd2.sh``: DMD2 phase 2 with its own LoRA roles, GAN head, EMA) for 2
+rollouts on 2 CPU ranks with a checkpoint after each and the ``--save-hf`` export, then resumes from rollout 0's
+commit and runs rollout 1 again. :func:`stock_latents` and :func:`miles_latents` sample the export with the
+family's stock diffusers pipeline and with miles' sampler from the same noise.
 
 Noise: the stock pipelines draw the initial latents from their ``generator`` (FLUX.1 as ``(B, C, H, W)``, Qwen-Image
 as ``(B, 1, C, H, W)``: the same values), pack them 2×2, and ``FlowMatchLCMScheduler.step`` draws the re-noise from
@@ -25,6 +26,7 @@ from miles.models import get_model_family
 from miles.models.packed_dit import unpack_latents
 from miles.models.sampling_schedule import stock_sampling_kwargs
 from miles.models.stock_defaults import write_sample_size
+from miles.utils.paths import LORA_EXPORT_DIR, LORA_EXPORT_WEIGHTS
 from miles.utils.sampling import FlowNoiseSchedule, denoise
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
@@ -86,40 +88,29 @@ def write_inputs(root: Path, write_pipeline, negative_prompt: str = "") -> dict:
     }
 
 
-def dmd2_argv(inputs: dict, out: Path, guidance: float, *extra: str) -> list[str]:
-    """DMD2 phase 2 on 2 CPU ranks: 4 prompts per rollout, K = 2 critic steps, the GAN head on the real latents, an
-    EMA, teacher guidance ``guidance``; the flow shifts are left to the family."""
-    pipeline = str(inputs["pipeline"])
-    return [
-        "--loss-type", "dmd2", "--hf-checkpoint", pipeline, "--teacher-load", pipeline,
-        "--prompt-data", str(inputs["prompts"]), "--negative-cond", str(inputs["negative"]),
-        "--actor-num-gpus-per-node", "2", "--num-cpus-per-rank", "1", "--rollout-batch-size", "4",
-        "--micro-batch-size", "1", "--dmd2-critic-steps-per-rollout", "2",
-        "--dmd2-teacher-guidance-scale", str(guidance), "--dmd2-gan-disc-weight", "1e-2",
-        "--dmd2-gan-gen-weight", "3e-3", "--dmd2-gan-real-data", str(inputs["real"]), "--ema-decay", "0.9",
-        "--num-rollout", "2", "--lr", "1e-3", "--critic-lr", "1e-3", "--output-dir", str(out), *extra,
-    ]  # fmt: skip
-
-
-def train_and_resume(root: Path, inputs: dict, guidance: float) -> dict:
-    """The full run (checkpoints after rollouts 0 and 1, the export), then a resume from rollout 0's commit.
+def train_and_resume(root: Path, inputs: dict, recipe: str) -> dict:
+    """The recipe's phase-2 command (``tests.support.recipes.tiny_recipe_argv``: its own LoRA roles, GAN head, EMA,
+    guidance, learning rates; 2 CPU ranks, 4 prompts, K = 2, 2 rollouts) with a checkpoint after each rollout and
+    the ``--save-hf`` export, then a resume from rollout 0's commit.
 
     Returns:
-        ``{"records", "resumed" (metrics.jsonl records of each run), "export", "save"}``.
+        ``{"records", "resumed" (metrics.jsonl records of each run), "export", "save", "argv" (the full run's)}``.
     """
+    from tests.support.recipes import tiny_recipe_argv
+
     save, export = root / "ckpt", root / "student"
-    run_main(
-        dmd2_argv(
-            inputs, root / "full", guidance, "--save", str(save), "--save-interval", "1", "--save-hf", str(export)
-        )
-    )
+    paths = {"pipeline": inputs["pipeline"], "prompts": inputs["prompts"], "negative": inputs["negative"],
+             "real": inputs["real"], "save": save}  # fmt: skip
+    argv = tiny_recipe_argv(recipe, out=root / "full", export=export, **paths)
+    run_main(argv)
     (save / "latest").write_text("0\n")  # as if the run had died during rollout 1
-    run_main(dmd2_argv(inputs, root / "resumed", guidance, "--load", str(save)))
+    run_main([*tiny_recipe_argv(recipe, out=root / "resumed", export=None, **paths), "--load", str(save)])
     return {
         "records": read_metrics(root / "full"),
         "resumed": read_metrics(root / "resumed"),
         "export": export,
         "save": save,
+        "argv": argv,
     }
 
 
@@ -136,6 +127,32 @@ def check_phase2_records(records: list[dict]) -> None:
     for record in critic:
         assert 0.5 < record["train/critic-gan_disc_loss"] < 3.0
     assert all(math.isfinite(value) for r in actor + critic for key, value in r.items() if key.startswith("train/"))
+
+
+def check_lora_export(transformer_class, export: Path, pipeline: Path) -> None:
+    """A LoRA student's ``--save-hf`` export (the recipes' ``--lora-rank``, ``--save-hf-lora``): its transformer holds
+    the merged weights, changed by training in an adapted layer (the first block's ``attn.to_q``) and equal to the
+    pipeline's in a layer no adapter targets (the final ``proj_out``); ``lora/`` holds the adapter alone, with
+    nonzero ``lora_B`` matrices (peft starts them at zero, so training moved them) except on the layers whose output
+    the model drops (``ModelFamily.unused_parameters``: frozen, so a resume finds an optimizer state for every
+    trained adapter)."""
+    from safetensors.torch import load_file
+
+    exported = transformer_class.from_pretrained(export / "transformer").state_dict()
+    initial = transformer_class.from_pretrained(pipeline / "transformer").state_dict()
+    adapted = next(key for key in initial if key.endswith("attn.to_q.weight"))
+    assert not torch.equal(exported[adapted], initial[adapted])
+    assert torch.equal(exported["proj_out.weight"], initial["proj_out.weight"])
+    adapter = load_file(export / LORA_EXPORT_DIR / LORA_EXPORT_WEIGHTS)
+    family = get_model_family(pipeline)
+    unused = {name.rsplit(".", 1)[0] for name in family.unused_parameters(family.load_denoiser(pipeline))}
+    b_matrices = {key.removeprefix("transformer.").removesuffix(".lora_B.weight"): value
+                  for key, value in adapter.items() if "lora_B" in key}  # fmt: skip
+    # The adapters of layers whose output the model drops stay frozen at zero (ModelFamily.unused_parameters); a last
+    # block's text queries (Qwen-Image's add_q_proj) only reach the dropped text rows: a zero gradient, also zero.
+    zero = {module for module, value in b_matrices.items() if value.abs().max() == 0}
+    assert b_matrices and {module for module in b_matrices if module in unused} <= zero
+    assert len(zero) < len(b_matrices) / 4, sorted(zero)
 
 
 def figures(records: list[dict], rollout_id: int) -> dict[str, list[float]]:

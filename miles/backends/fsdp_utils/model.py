@@ -223,6 +223,11 @@ def _load(
     # recomputation then runs inside its own FSDP unit.
     for converter in converters:
         converter.convert(component, model)
+    if trainable and converters:
+        # Again after the converters: a LoRA adapter on such a layer (Qwen-Image's last to_add_out) gets no gradient
+        # either, and the optimizer state a resume loads would lack it ("Missing key in checkpoint state_dict").
+        for name in family.unused_parameters(model):
+            model.get_parameter(name).requires_grad_(False)
     if mesh is not None and mesh.size() > 1:
         # Per-block units only pay off when they are freed after each use (ZeRO-3); otherwise one unit is cheapest.
         blocks = family.blocks(model) if reshard_after_forward else []

@@ -112,3 +112,38 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+class _RayStartingNoNode:
+    """Stands in for the ``ray`` module whose local node never registers: Ray raises this bare Exception after 30 s
+    of an overloaded machine or a full /tmp/ray (``ray._private.node``), which cannot be produced here on demand."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.shut_down = message, False
+
+    def init(self, **kwargs) -> None:
+        raise Exception(self.message)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def test_a_ray_node_that_times_out_during_startup_is_one_line_naming_what_to_do():
+    # Issue 34 item 7: Ray's own words ended the run with a traceback.
+    import train_diffusion
+    from miles.utils.validation import RunError
+
+    ray = _RayStartingNoNode(
+        "The current node timed out during startup. This could happen because some of the raylet failed to startup "
+        "or the GCS has become overloaded."
+    )
+    with pytest.raises(RunError) as info:
+        train_diffusion._init_ray(ray, "local")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("Ray's local node did not start within 30 s")
+    assert "`ray stop`" in message and "--ray-address HOST:PORT" in message
+    assert ray.shut_down  # the processes that did start are ended
+    other = _RayStartingNoNode("something else")
+    with pytest.raises(Exception, match="^something else$"):
+        train_diffusion._init_ray(other, "local")
+    assert not other.shut_down

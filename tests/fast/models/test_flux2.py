@@ -22,6 +22,7 @@ from miles.models.stock_defaults import write_sample_size
 from miles.utils.sampling import FlowNoiseSchedule, denoise
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
+from tests.support.recipes import tiny_recipe_argv
 from tests.support.tiny_pipelines import write_tiny_flux2_klein
 
 PROMPTS = ["a red square", "a blue circle", "two green dots", "a yellow line"]
@@ -94,6 +95,24 @@ def test_the_flow_shift_is_the_stock_pipelines_dynamic_shift_at_the_sample_size(
     assert four == pytest.approx(math.exp(compute_empirical_mu(8, 4)), rel=1e-12) and four > shift
 
 
+def test_the_two_family_flow_shifts_say_which_step_count_made_each(klein):
+    # Issue 34 item 7: klein's shift depends on the step count, so the student's grid (4 steps) and the trainer's
+    # 1000-point grid (the stock call's 50) get two values; the dry run's lines said the same words for both.
+    from tests.support.arguments import parsed_with_defaults
+
+    argv = ["--hf-checkpoint", str(klein), "--prompt-data", "/data/p.jsonl", "--num-rollout", "3",
+            "--rollout-batch-size", "4", "--diffusion-num-steps", "4"]  # fmt: skip
+    args = parsed_with_defaults(argv)
+    family = get_model_family(klein)
+    assert args.diffusion_flow_shift == family.flow_shift(klein, num_steps=4) != args.fsdp_flow_shift
+    assert args.fsdp_flow_shift == family.flow_shift(klein)
+    engine, trainer = args.flow_shift_origin["--diffusion-flow-shift"], args.flow_shift_origin["--fsdp-flow-shift"]
+    assert engine.endswith("for the student's 4 steps; the shift depends on the step count)"), engine
+    assert trainer.endswith(
+        "for the stock call's default step count, the teacher's; the student's grid takes its own)"
+    )
+
+
 def test_preflight_refuses_teacher_cfg_for_a_step_distilled_klein(tmp_path, capsys):
     distilled = _pipeline(tmp_path / "distilled", distilled=True)
     assert get_model_family(distilled).max_guidance_scale(distilled) == 1.0
@@ -116,18 +135,14 @@ def _write_images(folder) -> None:
         Image.fromarray(generator.integers(0, 256, (*SIZE, 3), dtype=np.uint8)).save(folder / f"real{index}.png")
 
 
-def _argv(root, out, *extra):
-    return [
-        "--loss-type", "dmd2", "--hf-checkpoint", str(root / "klein"), "--teacher-load", str(root / "klein"),
-        "--prompt-data", str(root / "cache" / "prompts.jsonl"),
-        "--negative-cond", str(root / "cache" / "negative.safetensors"),
-        "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4", "--micro-batch-size", "1",
-        "--dmd2-critic-steps-per-rollout", "2", "--dmd2-teacher-guidance-scale", "2",
-        "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-gen-weight", "3e-3",
-        "--dmd2-gan-real-data", str(root / "real" / "data.jsonl"), "--ema-decay", "0.9",
-        "--diffusion-num-steps", "2", "--num-rollout", "2", "--lr", "1e-3", "--critic-lr", "1e-3",
-        "--output-dir", str(out), "--save", str(root / "ckpt"), *extra,
-    ]  # fmt: skip
+def _argv(root, out, export=None):
+    """examples/flux2_klein/run_dmd2.sh's phase-2 command on the tiny pipeline (``tests.support.recipes``) at 2 steps
+    (the stock-pipeline check below draws 2 re-noises): its guidance, GAN head, EMA, learning rates as shipped."""
+    return tiny_recipe_argv(
+        "flux2_klein", pipeline=root / "klein", prompts=root / "cache" / "prompts.jsonl",
+        negative=root / "cache" / "negative.safetensors", real=root / "real" / "data.jsonl", out=out,
+        save=root / "ckpt", export=export, num_steps=2,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +156,10 @@ def run(tmp_path_factory, ray_cluster):
     _write_images(root / "images")
     argv = [str(root / "klein"), str(root / "images"), str(root / "real"), "--prompt", PROMPTS[0]]
     assert encode_images.main(argv) == 0
-    run_main(_argv(root, root / "full", "--save-interval", "1", "--save-hf", str(root / "student")))
+    run_main(_argv(root, root / "full", export=root / "student"))
     full = read_metrics(root / "full")
     (root / "ckpt" / "latest").write_text("0\n")  # as if the run had died during rollout 1
-    run_main(_argv(root, root / "resumed", "--load", str(root / "ckpt")))
+    run_main([*_argv(root, root / "resumed"), "--load", str(root / "ckpt")])
     return {"root": root, "export": root / "student", "full": full, "resumed": read_metrics(root / "resumed")}
 
 
@@ -206,6 +221,6 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
 
 
 def _export_shift(export) -> float:
-    """The flow shift the student trained and was exported at: the family's default since no flag set it."""
+    """The flow shift the student trained and was exported at: the family's default (the klein recipe sets none)."""
     config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
     return float(config[SCHEDULE_KEYS["shift"]])

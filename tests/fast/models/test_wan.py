@@ -22,6 +22,7 @@ from miles.rollout.offline_files import save_tensors
 from miles.utils.sampling import FlowNoiseSchedule, denoise
 from miles.utils.tracking import read_metrics
 from tests.support.driver import run_main
+from tests.support.recipes import tiny_recipe_argv
 from tests.support.tiny_pipelines import write_tiny_wan
 
 PROMPTS = ["a red square", "a blue circle", "two green dots", "a yellow line"]
@@ -106,18 +107,14 @@ def _write_real_latents(root, family, pipeline) -> None:
     (root / "real" / "data.jsonl").write_text("".join(lines))
 
 
-def _argv(root, out, *extra):
-    return [
-        "--loss-type", "dmd2", "--hf-checkpoint", str(root / "wan"), "--teacher-load", str(root / "wan"),
-        "--prompt-data", str(root / "cache" / "prompts.jsonl"),
-        "--negative-cond", str(root / "cache" / "negative.safetensors"),
-        "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4", "--micro-batch-size", "1",
-        "--dmd2-critic-steps-per-rollout", "2", "--dmd2-teacher-guidance-scale", "2",
-        "--dmd2-gan-disc-weight", "1e-2", "--dmd2-gan-gen-weight", "3e-3",
-        "--dmd2-gan-real-data", str(root / "real" / "data.jsonl"), "--ema-decay", "0.9",
-        "--diffusion-num-steps", "2", "--num-rollout", "2", "--lr", "1e-3", "--critic-lr", "1e-3",
-        "--output-dir", str(out), "--save", str(root / "ckpt"), *extra,
-    ]  # fmt: skip
+def _argv(root, out, export=None):
+    """examples/wan/run_dmd2.sh's phase-2 command on the tiny pipeline (``tests.support.recipes``) at 2 steps
+    (the stock-pipeline check below draws 2 re-noises): its guidance, GAN head, EMA, learning rates as shipped."""
+    return tiny_recipe_argv(
+        "wan", pipeline=root / "wan", prompts=root / "cache" / "prompts.jsonl",
+        negative=root / "cache" / "negative.safetensors", real=root / "real" / "data.jsonl", out=out,
+        save=root / "ckpt", export=export, num_steps=2,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +126,10 @@ def run(tmp_path_factory, ray_cluster):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     assert prompt_cache.main([str(pipeline), str(root / "prompts.jsonl"), str(root / "cache")]) == 0
     _write_real_latents(root, get_model_family(pipeline), pipeline)
-    run_main(_argv(root, root / "full", "--save-interval", "1", "--save-hf", str(root / "student")))
+    run_main(_argv(root, root / "full", export=root / "student"))
     full = read_metrics(root / "full")
     (root / "ckpt" / "latest").write_text("0\n")  # as if the run had died during rollout 1
-    run_main(_argv(root, root / "resumed", "--load", str(root / "ckpt")))
+    run_main([*_argv(root, root / "resumed"), "--load", str(root / "ckpt")])
     return {"root": root, "export": root / "student", "full": full, "resumed": read_metrics(root / "resumed")}
 
 
@@ -160,7 +157,7 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
 
     export = run["export"]
     config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
-    assert config["_class_name"] == "FlowMatchLCMScheduler" and config["_miles_flow_shift"] == 3.0
+    assert config["_class_name"] == "FlowMatchLCMScheduler" and config["_miles_flow_shift"] == 5.0  # the recipe's
     call = stock_sampling_kwargs(export)
     # the clip size it was trained at: the stock call's own default is 81 × 480 × 832
     frames, height, width = SIZE
@@ -189,6 +186,6 @@ def test_the_stock_pipeline_samples_the_export_as_miles_does(run):
 
 
 def _export_shift(export) -> float:
-    """The flow shift the student trained and was exported at: the family's default since no flag set it."""
+    """The flow shift the student trained and was exported at: the recipe's --diffusion-flow-shift 5."""
     config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
     return float(config[SCHEDULE_KEYS["shift"]])
