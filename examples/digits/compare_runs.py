@@ -49,7 +49,7 @@ def trend_rows(runs: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="NAME=RUN_DIR of each run.")
     parser.add_argument("--out", type=Path, required=True, help="The PNG to write.")
     args = parser.parse_args(argv)

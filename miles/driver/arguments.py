@@ -100,6 +100,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-gib",
         "--gpu-memory-gb",
         dest="gpu_memory_gb",
+        metavar="GIB",
         type=float,
         default=None,
         help="GiB (2^30 bytes) of memory per GPU that --dry-run checks each rank's planned peak against (default: the "
