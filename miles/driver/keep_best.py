@@ -51,6 +51,9 @@ def parse_keep_best(spec: str) -> tuple[str, str]:
     name = name.strip().removeprefix("eval/")
     if not name:
         reject(f"--keep-best {spec} names no evaluation figure; pass e.g. fd:min")
+    if any(char.isspace() for char in name):
+        # No evaluation figure's name holds a space: "f d:min" would never match one.
+        reject(f"--keep-best {spec}: {name!r} is not an evaluation figure's name (it holds a space)")
     if direction not in DIRECTIONS:
         reject(f"--keep-best {spec}: the direction must be min or max, got {direction!r}")
     return f"eval/{name}", direction

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from miles.config import RunSpec
 from miles.models.base import DENOISER
+from miles.models.pipeline_files import SECOND_EXPERT
 from miles.utils.validation import reject
 
 __all__ = ["check_weights", "validate_inputs"]
@@ -114,7 +115,7 @@ def _check_pipelines(
     from miles.models.base import read_scheduler_config
     from miles.models.registry import pipeline_class_name
 
-    families, signatures = {}, {}
+    families, signatures, experts = {}, {}, set()
     for label, path in pipelines:
         if not os.path.isdir(path):
             reject(f"{label} {path}: no such directory; pass a diffusers pipeline directory")
@@ -134,6 +135,10 @@ def _check_pipelines(
             families[path] = family = known(path) if known else get_model_family(path, args.diffusion_model_family)
             shape = tuple(family.latent_shape(path))
             read_scheduler_config(path)
+            # A two-expert pipeline (Wan 2.2 A14B) needs a usable boundary; its second expert's weights are checked
+            # below with the first's.
+            if family.expert_boundary(path) is not None:
+                experts.add(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             reject(f"{label} {path} is not a usable pipeline directory: {exc}")
         student_label, student = pipelines[0]
@@ -169,6 +174,8 @@ def _check_pipelines(
     _check_context_parallel(args, pipelines, families)
     for label, path in pipelines:
         check_weights(label, path)
+        if path in experts:
+            check_weights(label, path, SECOND_EXPERT)
     return families[args.hf_checkpoint], student_shape
 
 
@@ -198,8 +205,9 @@ def _check_context_parallel(args: argparse.Namespace, pipelines: list[tuple[str,
             reject(f"{label} {path}: {exc}")
 
 
-def check_weights(flag: str, pipeline: str) -> None:
-    """Every safetensors file of the pipeline's denoiser opens and holds finite values only.
+def check_weights(flag: str, pipeline: str, component: str = DENOISER) -> None:
+    """Every safetensors file of the pipeline's denoiser (``component``: a two-expert pipeline's ``transformer_2``)
+    opens and holds finite values only.
 
     Raises:
         ArgumentValidationError: naming the flag, the file and the first non-finite tensor; for a denoiser with
@@ -211,7 +219,7 @@ def check_weights(flag: str, pipeline: str) -> None:
 
     from miles.driver.preflight_data import safetensors_header
 
-    folder = Path(pipeline) / DENOISER
+    folder = Path(pipeline) / component
     files = sorted(folder.glob("*.safetensors"))
     if not files and any(folder.glob("*.bin")):
         reject(
@@ -233,7 +241,8 @@ def check_weights(flag: str, pipeline: str) -> None:
         except (OSError, ValueError, RuntimeError) as exc:
             reject(f"{flag} {pipeline}: {path} is not a readable safetensors file ({exc})")
         if bad is not None:
+            where = path.name if component == DENOISER else f"{component}/{path.name}"
             reject(
-                f"{flag} {pipeline}: {path.name} tensor {bad[0]} holds {bad[1]} non-finite values (NaN/inf); "
+                f"{flag} {pipeline}: {where} tensor {bad[0]} holds {bad[1]} non-finite values (NaN/inf); "
                 "refusing to train from it"
             )

@@ -19,6 +19,7 @@ def test_the_value_names_a_figure_and_a_direction():
         ("fd", "--keep-best fd needs a direction: fd:min (lower is better: an FD, a loss) or fd:max"),
         ("fd:lowest", "--keep-best fd:lowest: the direction must be min or max, got 'lowest'"),
         (":min", "--keep-best :min names no evaluation figure"),
+        ("f d:min", "--keep-best f d:min: 'f d' is not an evaluation figure's name (it holds a space)"),
     ):
         with pytest.raises(ArgumentValidationError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
             parse_keep_best(spec)

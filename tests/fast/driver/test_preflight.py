@@ -168,3 +168,34 @@ def test_one_pass_reads_each_file_the_command_names_once(tmp_path, monkeypatch):
         "cond/a.safetensors",
     ):
         assert opened[name] == 1, (name, dict(opened))
+
+
+def test_a_two_expert_teachers_boundary_and_second_experts_weights_are_checked_before_ray(tmp_path):
+    # Wan 2.2 A14B's layout: the dry run used to pass a boundary_ratio outside (0, 1) (a note in the memory plan
+    # only) and a transformer_2 with a non-finite or truncated weights file, which failed only once a rank loaded it.
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.tiny_pipelines import write_tiny_wan
+
+    teacher = write_tiny_wan(tmp_path / "wan2", boundary_ratio=0.875)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a clip {i}"}) + "\n" for i in range(2)))
+    argv = ["--loss-type", "dmd2", "--hf-checkpoint", str(teacher), "--teacher-load", str(teacher)]
+    argv += ["--prompt-data", str(prompts), "--rollout-batch-size", "2", "--num-rollout", "1"]
+    argv += ["--dmd2-critic-steps-per-rollout", "1"]
+    validate_inputs(_validate(argv))  # the tiny two-expert pipeline as written passes
+
+    weights = sorted((teacher / "transformer_2").glob("*.safetensors"))[0]
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(weights))
+    with pytest.raises(ArgumentValidationError, match=f"^--hf-checkpoint {teacher}: .*transformer_2.*{name}"):
+        validate_inputs(_validate(argv))
+
+    index = json.loads((teacher / "model_index.json").read_text())
+    (teacher / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 1.5}))
+    with pytest.raises(ArgumentValidationError, match="boundary_ratio 1.5; a two-expert WanPipeline needs"):
+        validate_inputs(_validate(argv))
+    assert torch.isnan(load_file(str(weights))[name]).all()  # nothing was rewritten
