@@ -99,15 +99,19 @@ class DataCheck:
         """Read data file ``path`` (``flag`` names it) and check its records: each has a prompt; with ``train`` (why
         the records are trained on: ``--train-only`` prompts, real samples) an image or a latent file, images
         written into the JSONL load and fit :attr:`shape`, image and latent files exist (latents of :attr:`shape`);
-        cached cond files (every data file's) exist, are whole, and were written for this run's family. Relative
+        cached cond files (every data file's) exist, are whole, and were written for this run's family; an
+        image-conditioned family's records without a cached cond name a reference image that loads. Relative
         paths resolve against the data file's directory, as the trainer reads them.
 
         Raises:
             ArgumentValidationError: naming the flag, the data file, the record number, its prompt and the file.
         """
-        from miles.rollout.data_source import JsonlPromptSource, load_image_latent
+        from miles.models.capabilities import ImageConditioned, supports
+        from miles.rollout.data_source import JsonlPromptSource, load_image, load_image_latent
 
         spec = self.spec
+        # An edit model encodes each record's prompt with its reference image, unless a prompt cache already did.
+        edits = supports(self.family, ImageConditioned)
         input_key, image_key, latent_key, cond_key = spec.input_key, spec.image_key, spec.latent_key, spec.cond_key
         try:
             records = JsonlPromptSource(path, input_key=input_key, shuffle=False, flag=flag).records
@@ -119,6 +123,17 @@ class DataCheck:
             image, latent, cond = record.get(image_key), record.get(latent_key), record.get(cond_key)
             if isinstance(cond, str):
                 self.cond_file(where, self._file(where, base, cond, "cond"))
+            elif edits:
+                key = spec.condition_image_key
+                if record.get(key) is None:
+                    reject(
+                        f"{where} has no reference image under --condition-image-key {key!r}; the "
+                        f"{self.family.name} family edits one per record"
+                    )
+                try:
+                    load_image(record[key], base)
+                except (OSError, ValueError, TypeError) as exc:
+                    reject(f"{where}: its reference image under --condition-image-key {key!r} does not load ({exc})")
             if not train:
                 continue
             if image is None and not isinstance(latent, str):

@@ -199,3 +199,41 @@ def test_a_two_expert_teachers_boundary_and_second_experts_weights_are_checked_b
     with pytest.raises(ArgumentValidationError, match="boundary_ratio 1.5; a two-expert WanPipeline needs"):
         validate_inputs(_validate(argv))
     assert torch.isnan(load_file(str(weights))[name]).all()  # nothing was rewritten
+
+
+def test_an_edit_models_records_name_a_reference_image_that_loads_before_ray(tmp_path):
+    # qwen_image_edit encodes each prompt with its record's reference image: a record without one, or with one that
+    # does not load, used to pass the dry run and fail on a rank after Ray started.
+    from PIL import Image
+
+    from tests.support.tiny_pipelines import write_tiny_qwen_image_edit
+
+    pipeline = write_tiny_qwen_image_edit(tmp_path / "edit")
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "ref.png")
+    (tmp_path / "fake.png").write_text("not an image")
+    prompts = tmp_path / "prompts.jsonl"
+    argv = ["--loss-type", "dmd2", "--hf-checkpoint", str(pipeline), "--teacher-load", str(pipeline)]
+    argv += ["--prompt-data", str(prompts), "--rollout-batch-size", "2", "--num-rollout", "1"]
+    argv += ["--dmd2-critic-steps-per-rollout", "1"]
+
+    def write(*references):
+        records = [
+            {"prompt": f"make it blue {i}", **({"condition_image": r} if r else {})} for i, r in enumerate(references)
+        ]
+        prompts.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    write("ref.png", "ref.png")
+    validate_inputs(_validate(argv))
+    write("ref.png", None)
+    with pytest.raises(ArgumentValidationError) as refused:
+        validate_inputs(_validate(argv))
+    assert str(refused.value) == (
+        f"--prompt-data {prompts} record 2 (prompt 'make it blue 1') has no reference image under --condition-image-key "
+        "'condition_image'; the qwen_image_edit family edits one per record"
+    )
+    for bad in ("missing.png", "fake.png"):
+        write("ref.png", bad)
+        with pytest.raises(
+            ArgumentValidationError, match="record 2 .*: its reference image under --condition-image-key"
+        ):
+            validate_inputs(_validate(argv))
