@@ -257,8 +257,11 @@ def validate_lora_args(args: argparse.Namespace) -> None:
 
 def validate_teacher_lora_args(args: argparse.Namespace) -> None:
     """``--teacher-lora PATH[:WEIGHT]``: each needs ``--teacher-load`` and an existing path with a finite weight
-    (:func:`miles.models.teacher_lora.parse_teacher_lora`); ``--teacher-lora-teacher-only`` needs a LoRA."""
-    from miles.models.teacher_lora import parse_teacher_lora
+    (:func:`miles.models.teacher_lora.parse_teacher_lora`), a whole safetensors file (or a ``save_lora_weights``
+    folder holding one) of LoRA tensors, so that a dry run refuses what the fuse would; whether the teacher has the
+    modules its keys name is found when it is fused. ``--teacher-lora-teacher-only`` needs a LoRA."""
+    from miles.driver.preflight_data import safetensors_header
+    from miles.models.teacher_lora import LORA_WEIGHTS, parse_teacher_lora
 
     if args.teacher_lora_teacher_only and not args.teacher_lora:
         reject("--teacher-lora-teacher-only changes where --teacher-lora goes: add --teacher-lora")
@@ -271,6 +274,16 @@ def validate_teacher_lora_args(args: argparse.Namespace) -> None:
             reject(str(exc))
         if not os.path.exists(path):
             reject(f"--teacher-lora {value}: {path} does not exist (a save_lora_weights folder or its .safetensors)")
+        file = os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path
+        try:
+            header = safetensors_header(file)
+        except (OSError, ValueError) as exc:
+            reject(
+                f"--teacher-lora {value}: {file} is not a readable safetensors file ({exc}); pass a save_lora_weights "
+                "folder or its .safetensors"
+            )
+        if not any("lora" in key for key in header):
+            reject(f"--teacher-lora {value}: {file} holds no LoRA tensors (no key names lora_A / lora_B)")
 
 
 def group_layout(args: argparse.Namespace) -> list[GroupSpec]:

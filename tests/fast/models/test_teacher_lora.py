@@ -6,6 +6,7 @@ start from the fused weights (peft's merge, ``W + Σ w·(alpha/r)·B·A``, check
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,10 +160,16 @@ def test_a_lora_diffusers_cannot_read_stops_the_command_before_ray(world, tmp_pa
         "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
     (tmp_path / "data.jsonl").write_text('{"prompt": "a 3"}\n')
-    with pytest.raises(SystemExit) as exc:
-        run_main(argv)
-    assert exc.value.code == 2
-    assert f"--teacher-lora {bad}: diffusers could not load it" in capsys.readouterr().err
+    # A file that is no safetensors file, then one of no LoRA's tensors (the teacher's own weights): refused when the
+    # flags are checked, so a dry run refuses them too.
+    weights = next((Path(world["pipeline"]) / "transformer").glob("*.safetensors"))
+    for lora, message in ((bad, "is not a readable safetensors file"), (weights, "holds no LoRA tensors")):
+        for dry_run in ([], ["--dry-run"]):
+            argv[argv.index("--teacher-lora") + 1] = str(lora)
+            with pytest.raises(SystemExit) as exc:
+                run_main([*argv, *dry_run])
+            assert exc.value.code == 2
+            assert f"--teacher-lora {lora}: {lora} {message}" in capsys.readouterr().err
     assert not (tmp_path / "out" / FUSED_DIR).exists()
 
 
