@@ -57,6 +57,7 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
     run = build_run_spec(args, resolve_hooks(args))
     override = run.engine.family if args.diffusion_model_family else None
     groups = list(run.groups)
+    _check_condition_image_key(run)
     if args.load:
         check_load(args, groups)
     if not check_paths:
@@ -84,6 +85,20 @@ def validate_inputs(args: argparse.Namespace, check_paths: bool = True) -> RunSp
     check_text_encoders_fit(args)
     preflight_outputs.check_outputs(args, groups, pipelines)
     return run
+
+
+def _check_condition_image_key(run: RunSpec) -> None:
+    """``--condition-image-key`` names the reference image of an edit model's records; set for a family without
+    references it would change nothing, which is refused like every flag read by nothing."""
+    from miles.config import DataSpec
+    from miles.models.capabilities import ImageConditioned, supports
+
+    key, family = run.engine.data.condition_image_key, run.engine.family
+    if family is not None and key != DataSpec.condition_image_key and not supports(family, ImageConditioned):
+        reject(
+            f"--condition-image-key {key} is read by an image-conditioned family only (qwen_image_edit); the "
+            f"{family.name} family takes no reference image: remove it"
+        )
 
 
 def _check_pipelines(

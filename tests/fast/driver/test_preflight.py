@@ -237,3 +237,19 @@ def test_an_edit_models_records_name_a_reference_image_that_loads_before_ray(tmp
             ArgumentValidationError, match="record 2 .*: its reference image under --condition-image-key"
         ):
             validate_inputs(_validate(argv))
+
+
+def test_a_condition_image_key_for_a_family_without_references_is_refused(tmp_path):
+    # It would change nothing: the digits family encodes prompts only.
+    pipeline = _fake_digits_pipeline(tmp_path / "pipe")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "image": [[0] * 8 for _ in range(8)]}) + "\n")
+    base = ["--hf-checkpoint", str(pipeline), "--prompt-data", str(data), "--num-rollout", "1"]
+    base += ["--rollout-batch-size", "1", "--train-only"]
+    validate_inputs(_validate([*base, "--condition-image-key", "condition_image"]))  # the default: nothing set
+    with pytest.raises(ArgumentValidationError) as refused:
+        validate_inputs(_validate([*base, "--condition-image-key", "ref"]))
+    assert str(refused.value) == (
+        "--condition-image-key ref is read by an image-conditioned family only (qwen_image_edit); the digits family "
+        "takes no reference image: remove it"
+    )
